@@ -1,0 +1,508 @@
+"""What both connection roles share (docs/protocol.md, Appendix: the Python API): bytes in →
+events out, messages in → bytes out, time passed in as `now`; framing, codecs, acks,
+retransmission, heartbeats, batches and errors. The reliable state lives in a `SessionState`
+that a later connection can attach to (§11). The roles are `ServerConnection` (_server.py) and
+`ClientConnection` (_client.py)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from enum import Enum
+from typing import Any, ClassVar, Final
+
+import brotli
+
+from ._framing import FrameDecoder, _unpack_header_from, pack_header, split_frames
+from ._heartbeat import HeartbeatSchedule, Key, Tier
+from ._session import Role, SessionState
+from ._stream_state import StreamState
+from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError, close_code_for
+from .events import (
+    Event,
+    PeerError,
+    SendWindowOpened,
+)
+from .limits import DEFAULT_MAX_FRAME, MAGIC, HeartbeatIntervals, ProtocolLimits
+from .messages import (
+    Ack,
+    Batch,
+    Codec,
+    Error,
+    Message,
+    PayloadCodec,
+    Ping,
+    Pong,
+    ReliableMessage,
+)
+
+__all__ = ["ConnectionState"]
+
+_COMPRESS_MIN: Final = 512
+"""Batches smaller than this are never compressed: brotli cannot win enough to pay."""
+_COMPRESS_GAIN: Final = 0.8
+"""A compressed batch is used only when it is at most this fraction of the plain one."""
+
+
+class ConnectionState(Enum):
+    IDLE = "idle"
+    """Client: `send_hello` not yet called."""
+    AWAIT_HELLO = "await_hello"
+    """Server: waiting for the client's first frame."""
+    AWAIT_WELCOME = "await_welcome"
+    """Client: hello sent. Server: `HelloReceived` given out, `welcome()` not yet called."""
+    OPEN = "open"
+    CLOSED = "closed"
+    """After `error` (either way), a connection timeout or `transport_closed`."""
+
+
+_OPEN = ConnectionState.OPEN
+_ACCEPTED = StreamState.ACCEPTED
+_CANCELLED = StreamState.CANCELLED
+
+
+class _PendingPong:
+    """A session/stream-tier ping waiting in the event queue: answered when the application
+    pulls it, so the pong proves the application is draining its events (§10)."""
+
+    __slots__ = ("nonce", "stream", "tier")
+
+    def __init__(self, tier: Tier, nonce: int, stream: int | None) -> None:
+        self.tier: Tier = tier
+        self.nonce = nonce
+        self.stream = stream
+
+
+def _violation(message: str) -> RemoteProtocolError:
+    return RemoteProtocolError(ErrorCode.PROTOCOL_VIOLATION, message)
+
+
+class _Connection(ABC):
+    """What both roles share: framing, codecs, acks, retransmission, heartbeats, errors."""
+
+    __slots__ = (
+        "_coalesce",
+        "_codec",
+        "_cursor",
+        "_decode",
+        "_decoder",
+        "_encode",
+        "_events",
+        "_frame_starts",
+        "_heartbeat",
+        "_max_frame",
+        "_now",
+        "_out",
+        "_peer_max_frame",
+        "_pending_input",
+        "_pending_pongs",
+        "_raw_decode",
+        "codec",
+        "error",
+        "limits",
+        "session",
+        "state",
+    )
+
+    _role: ClassVar[Role]
+
+    def __init__(self, limits: ProtocolLimits | None, codec: Codec, coalesce: bool) -> None:
+        self.limits = limits if limits is not None else ProtocolLimits()
+        self.codec: Codec = codec
+        self._codec = PayloadCodec(codec)
+        self._encode = self._codec.raw_encode
+        self._decode = self._codec.decode
+        self._raw_decode = self._codec.raw_decode
+        self._decoder = FrameDecoder(self.limits.max_frame)
+        self._pending_input = self._decoder._buffer  # non-empty: a frame is incomplete
+        self._max_frame = self.limits.max_frame
+        self._coalesce = coalesce
+        self._frame_starts: list[int] = []
+        self._out = bytearray()
+        self._events: list[Event | _PendingPong] = []
+        self._cursor = 0  # next_event's position in _events
+        self._pending_pongs = 0
+        self._now = 0.0
+        self._heartbeat: HeartbeatSchedule | None = None
+        self._peer_max_frame = DEFAULT_MAX_FRAME
+        self.session: SessionState | None = None
+        self.state = ConnectionState.IDLE
+        self.error: RemoteProtocolError | None = None
+        """The error that closed this connection, if the peer broke the protocol."""
+
+    # -- public: both roles ---------------------------------------------------------------------
+
+    def receive_data(self, data: bytes | bytearray | memoryview, now: float) -> None:
+        """Feed bytes from the transport. Raises `RemoteProtocolError` when the peer broke the
+        protocol; an `error` frame is then queued and the connection is closed."""
+        if self.state is ConnectionState.CLOSED:
+            raise LocalProtocolError("connection is closed")
+        self._now = now
+        decoder = self._decoder
+        try:
+            if not decoder._buffer and len(data) > 8:
+                # fast path: exactly one whole, valid frame (a token's delta, an ack)
+                magic, length = _unpack_header_from(data, 0)
+                if magic == MAGIC and length == len(data) - 8 and length <= decoder.max_frame:
+                    self._receive_payload(data[8:], now)
+                    session = self.session
+                    if session is not None and session.recv.immediate and self.state is _OPEN:
+                        self._write_ack()
+                    return
+            for payload in decoder.feed(data):
+                self._receive_payload(payload, now)
+            session = self.session
+            if session is not None and session.recv.immediate and self.state is _OPEN:
+                self._write_ack()
+        except RemoteProtocolError as exc:
+            self._fail(exc)
+            raise
+
+    def next_event(self) -> Event | None:
+        """The next event, or None. Session/stream-tier pings are answered as they are
+        reached here (write `data_to_send` afterwards)."""
+        events = self._events
+        while self._cursor < len(events):
+            event = events[self._cursor]
+            self._cursor += 1
+            if self._cursor == len(events):
+                events.clear()
+                self._cursor = 0
+            if type(event) is _PendingPong:
+                self._pending_pongs -= 1
+                self._answer_ping(event)
+                continue
+            return event  # type: ignore[return-value]
+        return None
+
+    def events(self) -> list[Event]:
+        """Take every event available now, in order (answering the pings among them)."""
+        events = self._events
+        if not events:
+            return []
+        if self._pending_pongs or self._cursor:
+            return list(iter(self.next_event, None))
+        self._events = []
+        return events  # type: ignore[return-value]
+
+    def data_to_send(self, now: float) -> bytes:
+        """The bytes to write to the transport now (b"" when there are none)."""
+        self._now = now
+        out = self._out
+        if not out:
+            return b""
+        session = self.session
+        if session is not None:
+            send = session.send
+            if send._handed != send.next_unsent:
+                if send._timed_seq is None:  # SendWindow.handed_over, inlined
+                    send._timed_seq = send._handed
+                    send._timed_at = now
+                send._handed = send.next_unsent
+            if send.deadline is None:
+                send.handed_over(now)
+        data = self._batched() if self._coalesce and len(self._frame_starts) > 1 else bytes(out)
+        out.clear()
+        if self._coalesce:
+            self._frame_starts.clear()
+        return data
+
+    def next_deadline(self) -> float | None:
+        """When `handle_timers` must next run (None: no timer armed)."""
+        session = self.session
+        if self.state is not _OPEN or session is None:
+            return None
+        deadline = session.recv.deadline
+        send_deadline = session.send.deadline
+        if send_deadline is not None and (deadline is None or send_deadline < deadline):
+            deadline = send_deadline
+        heartbeat = self._heartbeat
+        if heartbeat is not None:
+            beat = heartbeat.next_due
+            if beat is not None and (deadline is None or beat < deadline):
+                deadline = beat
+        return deadline
+
+    def handle_timers(self, now: float) -> None:
+        """Run every timer due at `now`: delayed acks, retransmission, heartbeats."""
+        self._now = now
+        session = self.session
+        if self.state is not _OPEN or session is None:
+            return
+        if session.recv.ack_due(now):
+            self._write_ack()
+        send = session.send
+        if send.deadline is not None and now >= send.deadline:
+            seq = send.expire(now)
+            if seq is not None:
+                self._write(send.frame(seq))
+        heartbeat = self._heartbeat
+        if heartbeat is None:
+            return
+        pings, timeouts = heartbeat.poll(now)
+        for tier, stream, nonce in pings:
+            self._write(Ping(tier=tier, nonce=nonce, stream=stream or None))
+        for key in timeouts:
+            self._timed_out(key, now)
+            if self.state is not _OPEN:
+                break
+
+    def transport_closed(self, now: float) -> None:
+        """The transport is gone: detach the session (resumable for `resume_grace`)."""
+        self._now = now
+        if self.state is ConnectionState.CLOSED:
+            return
+        self._detach(now)
+
+    def send_error(self, code: str, message: str = "") -> None:
+        """Queue a fatal `error`; the connection is closed after it and the session discarded.
+        Write `data_to_send`, then close the transport with `close_code_for(code)`."""
+        self._check_usable()
+        self._write(Error(code=code, message=message))
+        self._close(discard=True)
+
+    @property
+    def send_window_available(self) -> int:
+        """Reliable frames that may be numbered now without waiting (§6)."""
+        session = self.session
+        if session is None:
+            return 0
+        return max(0, session.send.room)
+
+    # -- internals: output ----------------------------------------------------------------------
+
+    def _write(self, message: Message) -> None:
+        payload = self._encode(message)
+        length = len(payload)
+        if length > self._peer_max_frame:
+            raise LocalProtocolError(
+                f"{type(message).__name__} of {length} bytes exceeds the peer's max_frame "
+                f"{self._peer_max_frame}"
+            )
+        out = self._out
+        if self._coalesce:
+            self._frame_starts.append(len(out))
+        out += pack_header(MAGIC, length)
+        out += payload
+
+    def _write_ack(self) -> None:
+        assert self.session is not None
+        recv = self.session.recv
+        sack = recv.ack_ranges()
+        self._write(Ack(ack=recv.ack, sack=sack) if sack else Ack(ack=recv.ack))
+        recv.acked()
+
+    def _flush_new(self) -> None:
+        """Write the numbered frames the window now admits, in order."""
+        session = self.session
+        if session is None or self.state is not _OPEN:
+            return
+        send = session.send
+        limit = min(send.next_seq, send.acked + send.peer_window)
+        start = send.next_unsent
+        if start >= limit:
+            return
+        for seq in range(start, limit):
+            self._write(send.frame(seq))
+        send.next_unsent = limit
+
+    def _batched(self) -> bytes:
+        """Coalesce the queued frames into `batch` frames that fit the peer's `max_frame`; a
+        frame too big to share a batch goes out alone, as it is."""
+        out = bytes(self._out)
+        starts = [*self._frame_starts, len(out)]
+        budget = self._peer_max_frame - 64
+        if self.codec == "json":
+            budget = budget * 3 // 4  # base64
+        groups: list[tuple[int, int, int]] = []  # (start, end, frames)
+        for i in range(len(starts) - 1):
+            begin, finish = starts[i], starts[i + 1]
+            if groups and finish - groups[-1][0] <= budget:
+                first, _, count = groups[-1]
+                groups[-1] = (first, finish, count + 1)
+            else:
+                groups.append((begin, finish, 1))
+        result = bytearray()
+        saved_out, saved_starts, self._coalesce = self._out, self._frame_starts, False
+        self._out = result
+        try:
+            for first, finish, count in groups:
+                if count == 1:
+                    result += out[first:finish]
+                else:
+                    self._write(self._batch_of(out[first:finish]))
+        finally:
+            self._out, self._frame_starts, self._coalesce = saved_out, saved_starts, True
+        return bytes(result)
+
+    def _batch_of(self, frames: bytes) -> Batch:
+        if len(frames) >= _COMPRESS_MIN:
+            packed = brotli.compress(frames, quality=4)
+            if len(packed) <= len(frames) * _COMPRESS_GAIN:
+                return Batch(codec="brotli", data=packed)
+        return Batch(codec="none", data=frames)
+
+    # -- internals: input -----------------------------------------------------------------------
+
+    def _receive_payload(self, payload: bytes | bytearray | memoryview, now: float) -> None:
+        message = self._decode(payload)
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            raise _violation(f"{type(message).__name__.lower()} is not sent to a {self._role}")
+        handler(self, message, now)
+
+    def _on_reliable(self, message: ReliableMessage, now: float) -> None:
+        if self.state is not _OPEN:
+            raise _violation(f"{type(message).__name__.lower()} before the handshake")
+        session = self.session
+        assert session is not None
+        for deliverable in session.recv.receive(message.seq, message, now):
+            self._apply(deliverable, now)
+
+    @abstractmethod
+    def _apply(self, message: ReliableMessage, now: float) -> None:
+        """Act on one in-order reliable message (role-specific)."""
+
+    def _on_ack(self, message: Ack, now: float) -> None:
+        if self.state is not _OPEN:
+            raise _violation("ack before the handshake")
+        session = self.session
+        assert session is not None
+        send = session.send
+        room_before = send.acked + send.peer_window - send.next_seq
+        progress = send.on_ack(message.ack, message.sack, now)
+        if message.window is not None:
+            send.peer_window = message.window
+        elif not progress:
+            return
+        if send.next_unsent < send.next_seq:
+            self._flush_new()
+        if room_before <= 0:
+            room = send.acked + send.peer_window - send.next_seq
+            if room > 0:
+                self._events.append(SendWindowOpened(available=room))
+
+    def _on_ping(self, message: Ping, now: float) -> None:
+        if self.state is not _OPEN:
+            raise _violation("ping before the handshake")
+        if message.tier == "connection":
+            self._write(Pong(tier="connection", nonce=message.nonce))
+        else:
+            self._events.append(_PendingPong(message.tier, message.nonce, message.stream))
+            self._pending_pongs += 1
+
+    def _answer_ping(self, ping: _PendingPong) -> None:
+        if self.state is not _OPEN:
+            return
+        self._write(Pong(tier=ping.tier, nonce=ping.nonce, stream=ping.stream))
+
+    def _on_pong(self, message: Pong, now: float) -> None:
+        if self.state is not _OPEN:
+            raise _violation("pong before the handshake")
+        heartbeat = self._heartbeat
+        assert heartbeat is not None and self.session is not None
+        rtt = heartbeat.on_pong(message.tier, message.stream or 0, message.nonce, now)
+        if rtt is not None and message.tier == "connection":
+            self.session.send.timer.sample(rtt)
+
+    def _on_error(self, message: Error, now: float) -> None:
+        self._events.append(
+            PeerError(code=message.code, message=message.message,
+                      close_code=close_code_for(message.code))
+        )
+        self._close(discard=True)
+
+    def _on_batch(self, message: Batch, now: float) -> None:
+        max_frame = self.limits.max_frame
+        if message.codec == "brotli":
+            try:
+                decompressor = brotli.Decompressor()
+                data = decompressor.process(message.data, output_buffer_limit=max_frame + 1)
+                finished = decompressor.is_finished()
+            except brotli.error as exc:
+                raise RemoteProtocolError(
+                    ErrorCode.INVALID_MESSAGE, f"batch: bad brotli data ({exc})", field="data"
+                ) from None
+            if len(data) > max_frame:
+                raise RemoteProtocolError(
+                    ErrorCode.FRAME_TOO_LARGE, f"batch expands beyond max_frame {max_frame}"
+                )
+            if not finished:
+                raise RemoteProtocolError(
+                    ErrorCode.INVALID_MESSAGE, "batch: truncated brotli data", field="data"
+                )
+        else:
+            data = message.data
+        for payload in split_frames(data, max_frame):
+            inner = self._decode(payload)
+            if type(inner) is Batch:
+                raise _violation("a batch inside a batch")
+            handler = self._handlers.get(type(inner))
+            if handler is None:
+                raise _violation(f"{type(inner).__name__.lower()} is not sent to a {self._role}")
+            handler(self, inner, now)
+            if self.state is ConnectionState.CLOSED:
+                return
+
+    _handlers: ClassVar[dict[type[Any], Any]] = {}
+
+    # -- internals: lifecycle -------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self.state is ConnectionState.CLOSED:
+            raise LocalProtocolError("connection is closed")
+
+    def _check_open(self) -> SessionState:
+        if self.state is not _OPEN:
+            raise LocalProtocolError(f"connection is {self.state.value}, not open")
+        assert self.session is not None
+        return self.session
+
+    def _start_heartbeats(self, intervals: HeartbeatIntervals, now: float) -> None:
+        assert self.session is not None
+        self._heartbeat = heartbeat = HeartbeatSchedule(intervals, now)
+        for stream in self.session.streams:
+            heartbeat.add_stream(stream, now)
+
+    def _fail(self, exc: RemoteProtocolError) -> None:
+        if self.state is ConnectionState.CLOSED:
+            return
+        self.error = exc
+        self._out.clear()
+        self._frame_starts.clear()
+        self._write(Error(code=exc.code, message=exc.message))
+        self._close(discard=True)
+
+    def _close(self, *, discard: bool) -> None:
+        self.state = ConnectionState.CLOSED
+        self._heartbeat = None
+        session = self.session
+        if session is not None:
+            if discard:
+                session.discarded = True
+            session.attached = False
+            session.send.detach()
+
+    def _detach(self, now: float) -> None:
+        session = self.session
+        self._out.clear()
+        self._frame_starts.clear()
+        self._close(discard=False)
+        if session is not None and not session.discarded:
+            session.detached_at = now
+
+    @abstractmethod
+    def _timed_out(self, key: Key, now: float) -> None:
+        """React to a heartbeat timeout of `key` (role-specific)."""
+
+    def _resend_after_resume(self, peer_ack: int, now: float) -> None:
+        """§11: the peer's `ack` acknowledges; resend every unacked, un-SACKed frame from it."""
+        session = self.session
+        assert session is not None
+        send = session.send
+        if not send.acked <= peer_ack <= send.next_unsent:
+            raise _violation(f"resume ack {peer_ack} outside [{send.acked}, {send.next_unsent}]")
+        send.on_ack(peer_ack, (), now)
+        for seq in send.resend_from(peer_ack):
+            send.mark_retransmitted(seq)
+            self._write(send.frame(seq))
+        session.recv.force_ack()

@@ -1,0 +1,49 @@
+"""seedance.protocol._framing: FrameDecoder and encode_frame."""
+
+from __future__ import annotations
+
+import pytest
+
+from seedance.protocol import FrameDecoder, RemoteProtocolError, encode_frame
+from seedance.protocol._framing import split_frames
+
+
+def test_encode_frame_refuses_an_empty_payload() -> None:
+    with pytest.raises(ValueError):
+        encode_frame(b"")
+
+
+def test_feed_takes_the_bytes_even_if_not_iterated() -> None:
+    decoder = FrameDecoder(100)
+    decoder.feed(encode_frame(b"abc")[:5])
+    assert decoder.buffered == 5
+    assert list(decoder.feed(encode_frame(b"abc")[5:])) == [b"abc"]
+    assert decoder.buffered == 0
+
+
+def test_partially_iterated_feed_keeps_the_rest() -> None:
+    decoder = FrameDecoder(100)
+    payloads = decoder.feed(encode_frame(b"a") + encode_frame(b"b") + encode_frame(b"c"))
+    assert next(payloads) == b"a"
+    assert list(decoder.feed(b"")) == [b"b", b"c"]
+
+
+def test_buffer_is_compacted_between_feeds() -> None:
+    decoder = FrameDecoder(100)
+    for _ in range(1000):
+        assert list(decoder.feed(encode_frame(b"xyz"))) == [b"xyz"]
+    assert decoder.buffered == 0
+    assert len(decoder._buffer) <= 11
+
+
+def test_split_frames_needs_whole_frames() -> None:
+    assert split_frames(encode_frame(b"a") + encode_frame(b"bc"), 10) == [b"a", b"bc"]
+    with pytest.raises(RemoteProtocolError) as info:
+        split_frames(encode_frame(b"abc")[:-1], 10)
+    assert info.value.code == "corrupted_frame"
+
+
+def test_memoryview_and_bytearray_input() -> None:
+    data = encode_frame(b"hello")
+    assert list(FrameDecoder(10).feed(memoryview(data))) == [b"hello"]
+    assert list(FrameDecoder(10).feed(bytearray(data))) == [b"hello"]

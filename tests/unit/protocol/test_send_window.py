@@ -1,0 +1,130 @@
+"""seedance.protocol._send_window: SendWindow and RetransmitTimer."""
+
+from __future__ import annotations
+
+import pytest
+
+from seedance.protocol import RemoteProtocolError, RetransmitTimer, SendWindow
+
+
+def window(n: int = 0, peer_window: int = 8) -> SendWindow[str]:
+    send: SendWindow[str] = SendWindow(RetransmitTimer(1.0, 0.2, 60.0), peer_window)
+    for i in range(n):
+        send.push(f"f{i}")
+    return send
+
+
+def write(send: SendWindow[str], upto: int, now: float) -> None:
+    """The owner wrote frames below `upto` and handed them to the transport at `now`."""
+    send.next_unsent = upto
+    send.handed_over(now)
+
+
+def test_push_numbers_from_zero() -> None:
+    send = window()
+    assert [send.push("a"), send.push("b")] == [0, 1]
+    assert send.frame(1) == "b" and send.unacked == 2 and send.room == 6
+
+
+def test_timer_starts_on_first_write() -> None:
+    send = window(2)
+    assert send.deadline is None
+    write(send, 2, 5.0)
+    assert send.deadline == 6.0
+
+
+def test_cumulative_ack_forgets_frames_and_restarts_the_timer() -> None:
+    send = window(3)
+    write(send, 3, 0.0)
+    assert send.on_ack(2, (), 0.5)
+    assert send.acked == 2 and send.unacked == 1
+    assert send.deadline == pytest.approx(0.5 + send.timer.rto)
+    assert send.on_ack(3, (), 0.6)
+    assert send.deadline is None
+
+
+def test_stale_ack_changes_nothing() -> None:
+    send = window(3)
+    write(send, 3, 0.0)
+    send.on_ack(2, (), 0.1)
+    assert not send.on_ack(1, (), 0.2)
+    assert send.acked == 2
+
+
+def test_expire_picks_the_oldest_unsacked_and_backs_off() -> None:
+    send = window(4)
+    write(send, 4, 0.0)
+    send.on_ack(0, ((1, 2),), 0.0)
+    assert send.expire(1.0) == 0
+    assert send.timer.rto == 2.0
+    send.on_ack(1, (), 1.5)
+    assert send.expire(3.0) == 2  # 1 was SACKed
+    assert send.resend_from(1) == [2, 3]
+
+
+def test_backoff_caps_at_rto_max() -> None:
+    timer = RetransmitTimer(1.0, 0.2, 60.0)
+    for _ in range(20):
+        timer.back_off()
+    assert timer.rto == 60.0
+    timer.reset_backoff()
+    assert timer.rto == 1.0
+
+
+def test_rto_from_samples() -> None:
+    timer = RetransmitTimer(1.0, 0.2, 60.0)
+    timer.sample(0.1)
+    assert timer.srtt == 0.1 and timer.rttvar == 0.05
+    assert timer.rto == pytest.approx(0.3)
+    timer.sample(100.0)
+    assert timer.rto == 60.0
+
+
+def test_ack_beyond_sent_raises() -> None:
+    send = window(2)
+    with pytest.raises(RemoteProtocolError):
+        send.on_ack(3, (), 0.0)
+
+
+def test_unwritten_frames_are_never_retransmitted() -> None:
+    send = window(3)
+    write(send, 1, 0.0)
+    assert send.expire(1.0) == 0
+    assert send.resend_from(0) == [0]
+    assert send.resend_from(0) == [0]  # no side effect
+
+
+def test_resent_frames_give_no_sample() -> None:
+    send = window(2)
+    write(send, 2, 0.0)
+    for seq in send.resend_from(0):
+        send.mark_retransmitted(seq)
+    send.on_ack(2, (), 0.5)
+    assert send.timer.srtt is None
+
+
+def test_one_frame_is_timed_per_round_trip() -> None:
+    send = window(3)
+    write(send, 1, 0.0)
+    write(send, 3, 0.5)  # frames 1, 2 are not timed: frame 0 is
+    send.on_ack(3, (), 0.25)
+    assert send.timer.srtt == 0.25
+
+
+def test_retransmitted_timed_frame_gives_no_sample() -> None:
+    send = window(1)
+    write(send, 1, 0.0)
+    assert send.expire(1.0) == 0
+    send.on_ack(1, (), 1.1)
+    assert send.timer.srtt is None
+
+
+def test_retransmissions_count_timer_expiries_and_resume_rewrites() -> None:
+    send = window(3)
+    write(send, 3, 0.0)
+    assert send.retransmissions == 0
+    assert send.expire(1.0) == 0
+    assert send.retransmissions == 1
+    for seq in send.resend_from(1):
+        send.mark_retransmitted(seq)
+    assert send.retransmissions == 3
