@@ -9,15 +9,13 @@ from typing import Any, ClassVar
 import msgspec
 
 from ._connection import (
-    _ACCEPTED,
-    _CANCELLED,
     _OPEN,
     ConnectionState,
     _Connection,
     _PendingPong,
     _violation,
 )
-from ._framing import _unpack_header_from
+from ._framing import SMALL_FRAME, SMALL_HEADERS, pack_header
 from ._heartbeat import CONNECTION, SESSION, Key
 from ._session import Role, SessionState
 from ._stream_state import StreamRecord, next_state
@@ -32,7 +30,7 @@ from .events import (
     StreamTimedOut,
     Welcomed,
 )
-from .limits import MAGIC, PROTOCOL_VERSION, HeartbeatIntervals, ProtocolLimits
+from .limits import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, HeartbeatIntervals, ProtocolLimits
 from .messages import (
     Accept,
     Ack,
@@ -53,6 +51,7 @@ from .messages import (
     ReliableMessage,
     SamplingOptions,
     Welcome,
+    _remote_error,
 )
 
 __all__ = ["ClientConnection"]
@@ -204,7 +203,7 @@ class ClientConnection(_Connection):
         session.attached = True
         session.send.peer_window = message.window
         self._peer_max_frame = message.max_frame
-        self.state = _OPEN
+        self._opened(session)
         self._start_heartbeats(intervals, now)
         if message.resumed:
             self._resend_after_resume(message.ack, now)
@@ -235,12 +234,16 @@ class ClientConnection(_Connection):
         `delta` of an accepted stream, within its credit (§1, §6, §9). Anything else, including
         every error, takes the general path, which checks and reports it.
         """
+        session = self._live
         size = len(data)
-        if self.state is not _OPEN or self._pending_input or size <= 8:
-            super().receive_data(data, now)
-            return
-        magic, length = _unpack_header_from(data, 0)
-        if magic != MAGIC or length != size - 8 or length > self._max_frame:
+        if (
+            session is None
+            or self._pending_input
+            or not HEADER_SIZE < size <= self._max_frame_size
+            or data[:8] != (
+                SMALL_HEADERS[size - 8] if size - 8 < SMALL_FRAME else pack_header(MAGIC, size - 8)
+            )
+        ):
             super().receive_data(data, now)
             return
         try:
@@ -252,15 +255,13 @@ class ClientConnection(_Connection):
             self._now = now
             try:
                 self._receive_payload_message(message, now)
-                session = self.session
-                if session is not None and session.recv.immediate and self.state is _OPEN:
+                live = self._live
+                if live is not None and live.recv.immediate:
                     self._write_ack()
             except RemoteProtocolError as exc:
                 self._fail(exc)
                 raise
             return
-        session = self.session
-        assert session is not None
         recv = session.recv
         seq = message.seq
         record = session.streams.get(message.stream)
@@ -268,39 +269,47 @@ class ClientConnection(_Connection):
             seq != recv.ack
             or recv._held
             or record is None
-            or (record.state is not _ACCEPTED and record.state is not _CANCELLED)
+            or not record.flowing
         ):
             super().receive_data(data, now)
             return
-        credit = record
         index = message.index
         tokens = message.tokens
         end = index + len(tokens)
-        if index != credit.sent or (credit.limit is not None and end > credit.limit):
+        limit = record.limit
+        if index != record.sent or (limit is not None and end > limit):
             super().receive_data(data, now)
             return
         # everything checked: the same effects as ReceiveWindow.take_next + _apply_delta
         self._now = now
-        credit.sent = end
+        record.sent = end
         recv.ack = seq + 1
         self._events.append(DeltaReceived(message.stream, index, message.text, tokens))
-        recv._unacked += 1
-        if recv._unacked >= recv._ack_every:
-            self._write_ack()
-        elif recv.deadline is None:
-            recv.deadline = now + recv._ack_delay
+        unacked = recv._unacked + 1
+        if unacked >= recv._ack_every:
+            self._write_ack()  # resets the count
+        else:
+            recv._unacked = unacked
+            if recv.deadline is None:
+                recv.deadline = now + recv._ack_delay
 
     def _receive_payload(self, payload: bytes | bytearray | memoryview, now: float) -> None:
-        self._receive_payload_message(self._decode(payload), now)
+        try:
+            message = self._raw_decode(payload)
+        except msgspec.MsgspecError as exc:
+            raise _remote_error(exc) from None
+        self._receive_payload_message(message, now)
 
     def _receive_payload_message(self, message: Message, now: float) -> None:
-        if type(message) is Delta and self.state is _OPEN:
-            # fast path: the next delta in order, nothing held (docs/protocol.md §6)
-            session = self.session
-            assert session is not None
-            if session.recv.take_next(message.seq, now):
-                self._apply_delta(message, session.streams.get(message.stream))
-                return
+        session = self._live
+        # fast path: the next delta in order, nothing held (docs/protocol.md §6)
+        if (
+            type(message) is Delta
+            and session is not None
+            and session.recv.take_next(message.seq, now)
+        ):
+            self._apply_delta(message, session.streams.get(message.stream))
+            return
         handler = self._handlers.get(type(message))
         if handler is None:
             raise _violation(f"{type(message).__name__.lower()} is not sent to a {self._role}")
@@ -340,8 +349,7 @@ class ClientConnection(_Connection):
         stream = message.stream
         if record is None:
             raise _violation(f"delta for unknown stream {stream}")
-        state = record.state
-        if state is not _ACCEPTED and state is not _CANCELLED:
+        if not record.flowing:
             raise _violation(f"delta on stream {stream} before accept")
         credit = record
         tokens = message.tokens

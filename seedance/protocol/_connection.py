@@ -11,9 +11,18 @@ from enum import Enum
 from typing import Any, ClassVar, Final
 
 import brotli
+import msgspec
 
-from ._framing import FrameDecoder, _unpack_header_from, pack_header, split_frames
+from ._framing import (
+    SMALL_FRAME,
+    SMALL_HEADERS,
+    FrameDecoder,
+    _unpack_header_from,
+    pack_header,
+    split_frames,
+)
 from ._heartbeat import HeartbeatSchedule, Key, Tier
+from ._send_window import SendWindow
 from ._session import Role, SessionState
 from ._stream_state import StreamState
 from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError, close_code_for
@@ -22,7 +31,7 @@ from .events import (
     PeerError,
     SendWindowOpened,
 )
-from .limits import DEFAULT_MAX_FRAME, MAGIC, HeartbeatIntervals, ProtocolLimits
+from .limits import DEFAULT_MAX_FRAME, HEADER_SIZE, MAGIC, HeartbeatIntervals, ProtocolLimits
 from .messages import (
     Ack,
     Batch,
@@ -33,6 +42,7 @@ from .messages import (
     Ping,
     Pong,
     ReliableMessage,
+    _remote_error,
 )
 
 __all__ = ["ConnectionState"]
@@ -56,7 +66,6 @@ class ConnectionState(Enum):
 
 
 _OPEN = ConnectionState.OPEN
-_ACCEPTED = StreamState.ACCEPTED
 _CANCELLED = StreamState.CANCELLED
 
 
@@ -87,9 +96,10 @@ class _Connection(ABC):
         "_decoder",
         "_encode",
         "_events",
-        "_frame_starts",
         "_heartbeat",
-        "_max_frame",
+        "_live",
+        "_live_send",
+        "_max_frame_size",
         "_now",
         "_out",
         "_peer_max_frame",
@@ -114,10 +124,9 @@ class _Connection(ABC):
         self._raw_decode = self._codec.raw_decode
         self._decoder = FrameDecoder(self.limits.max_frame)
         self._pending_input = self._decoder._buffer  # non-empty: a frame is incomplete
-        self._max_frame = self.limits.max_frame
+        self._max_frame_size = self.limits.max_frame + HEADER_SIZE  # a whole frame, with header
         self._coalesce = coalesce
-        self._frame_starts: list[int] = []
-        self._out = bytearray()
+        self._out: list[bytes] = []  # whole frames, one per item, not yet handed over
         self._events: list[Event | _PendingPong] = []
         self._cursor = 0  # next_event's position in _events
         self._pending_pongs = 0
@@ -125,6 +134,8 @@ class _Connection(ABC):
         self._heartbeat: HeartbeatSchedule | None = None
         self._peer_max_frame = DEFAULT_MAX_FRAME
         self.session: SessionState | None = None
+        self._live: SessionState | None = None  # `session` while `state` is OPEN, else None
+        self._live_send: SendWindow[ReliableMessage] | None = None  # `_live.send`
         self.state = ConnectionState.IDLE
         self.error: RemoteProtocolError | None = None
         """The error that closed this connection, if the peer broke the protocol."""
@@ -144,14 +155,14 @@ class _Connection(ABC):
                 magic, length = _unpack_header_from(data, 0)
                 if magic == MAGIC and length == len(data) - 8 and length <= decoder.max_frame:
                     self._receive_payload(data[8:], now)
-                    session = self.session
-                    if session is not None and session.recv.immediate and self.state is _OPEN:
+                    live = self._live
+                    if live is not None and live.recv.immediate:
                         self._write_ack()
                     return
             for payload in decoder.feed(data):
                 self._receive_payload(payload, now)
-            session = self.session
-            if session is not None and session.recv.immediate and self.state is _OPEN:
+            live = self._live
+            if live is not None and live.recv.immediate:
                 self._write_ack()
         except RemoteProtocolError as exc:
             self._fail(exc)
@@ -190,29 +201,24 @@ class _Connection(ABC):
         out = self._out
         if not out:
             return b""
-        session = self.session
-        if session is not None:
-            send = session.send
-            if send._handed != send.next_unsent:
-                if send._timed_seq is None:  # SendWindow.handed_over, inlined
-                    send._timed_seq = send._handed
-                    send._timed_at = now
-                send._handed = send.next_unsent
-            if send.deadline is None:
+        send = self._live_send
+        if send is not None:
+            if send._timed_seq is not None and send.deadline is not None:
+                send._handed = send.next_unsent  # all SendWindow.handed_over does in this case
+            else:
                 send.handed_over(now)
-        data = self._batched() if self._coalesce and len(self._frame_starts) > 1 else bytes(out)
-        out.clear()
-        if self._coalesce:
-            self._frame_starts.clear()
-        return data
+        self._out = []
+        if len(out) == 1:
+            return out[0]
+        return self._batched(out) if self._coalesce else b"".join(out)
 
     def next_deadline(self) -> float | None:
         """When `handle_timers` must next run (None: no timer armed)."""
-        session = self.session
-        if self.state is not _OPEN or session is None:
+        live = self._live
+        if live is None:
             return None
-        deadline = session.recv.deadline
-        send_deadline = session.send.deadline
+        deadline = live.recv.deadline
+        send_deadline = live.send.deadline
         if send_deadline is not None and (deadline is None or send_deadline < deadline):
             deadline = send_deadline
         heartbeat = self._heartbeat
@@ -225,8 +231,8 @@ class _Connection(ABC):
     def handle_timers(self, now: float) -> None:
         """Run every timer due at `now`: delayed acks, retransmission, heartbeats."""
         self._now = now
-        session = self.session
-        if self.state is not _OPEN or session is None:
+        session = self._live
+        if session is None:
             return
         if session.recv.ack_due(now):
             self._write_ack()
@@ -278,26 +284,24 @@ class _Connection(ABC):
                 f"{type(message).__name__} of {length} bytes exceeds the peer's max_frame "
                 f"{self._peer_max_frame}"
             )
-        out = self._out
-        if self._coalesce:
-            self._frame_starts.append(len(out))
-        out += pack_header(MAGIC, length)
-        out += payload
+        header = SMALL_HEADERS[length] if length < SMALL_FRAME else pack_header(MAGIC, length)
+        self._out.append(header + payload)
 
     def _write_ack(self) -> None:
-        assert self.session is not None
-        recv = self.session.recv
+        live = self._live
+        assert live is not None
+        recv = live.recv
         sack = recv.ack_ranges()
         self._write(Ack(ack=recv.ack, sack=sack) if sack else Ack(ack=recv.ack))
         recv.acked()
 
     def _flush_new(self) -> None:
         """Write the numbered frames the window now admits, in order."""
-        session = self.session
-        if session is None or self.state is not _OPEN:
+        session = self._live
+        if session is None:
             return
         send = session.send
-        limit = min(send.next_seq, send.acked + send.peer_window)
+        limit = min(send.next_seq, send.end)
         start = send.next_unsent
         if start >= limit:
             return
@@ -305,34 +309,32 @@ class _Connection(ABC):
             self._write(send.frame(seq))
         send.next_unsent = limit
 
-    def _batched(self) -> bytes:
-        """Coalesce the queued frames into `batch` frames that fit the peer's `max_frame`; a
-        frame too big to share a batch goes out alone, as it is."""
-        out = bytes(self._out)
-        starts = [*self._frame_starts, len(out)]
+    def _batched(self, frames: list[bytes]) -> bytes:
+        """Coalesce `frames` into `batch` frames that fit the peer's `max_frame`; a frame too
+        big to share a batch goes out alone, as it is."""
         budget = self._peer_max_frame - 64
         if self.codec == "json":
             budget = budget * 3 // 4  # base64
-        groups: list[tuple[int, int, int]] = []  # (start, end, frames)
-        for i in range(len(starts) - 1):
-            begin, finish = starts[i], starts[i + 1]
-            if groups and finish - groups[-1][0] <= budget:
-                first, _, count = groups[-1]
-                groups[-1] = (first, finish, count + 1)
+        groups: list[list[bytes]] = []  # consecutive frames, each group at most `budget` bytes
+        size = 0  # of the last group
+        for frame in frames:
+            if groups and size + len(frame) <= budget:
+                groups[-1].append(frame)
+                size += len(frame)
             else:
-                groups.append((begin, finish, 1))
-        result = bytearray()
-        saved_out, saved_starts, self._coalesce = self._out, self._frame_starts, False
-        self._out = result
+                groups.append([frame])
+                size = len(frame)
+        result: list[bytes] = []
+        saved_out, self._out = self._out, result
         try:
-            for first, finish, count in groups:
-                if count == 1:
-                    result += out[first:finish]
+            for group in groups:
+                if len(group) == 1:
+                    result.append(group[0])
                 else:
-                    self._write(self._batch_of(out[first:finish]))
+                    self._write(self._batch_of(b"".join(group)))
         finally:
-            self._out, self._frame_starts, self._coalesce = saved_out, saved_starts, True
-        return bytes(result)
+            self._out = saved_out
+        return b"".join(result)
 
     def _batch_of(self, frames: bytes) -> Batch:
         if len(frames) >= _COMPRESS_MIN:
@@ -344,7 +346,10 @@ class _Connection(ABC):
     # -- internals: input -----------------------------------------------------------------------
 
     def _receive_payload(self, payload: bytes | bytearray | memoryview, now: float) -> None:
-        message = self._decode(payload)
+        try:
+            message = self._raw_decode(payload)
+        except msgspec.MsgspecError as exc:
+            raise _remote_error(exc) from None
         handler = self._handlers.get(type(message))
         if handler is None:
             raise _violation(f"{type(message).__name__.lower()} is not sent to a {self._role}")
@@ -363,12 +368,11 @@ class _Connection(ABC):
         """Act on one in-order reliable message (role-specific)."""
 
     def _on_ack(self, message: Ack, now: float) -> None:
-        if self.state is not _OPEN:
+        session = self._live
+        if session is None:
             raise _violation("ack before the handshake")
-        session = self.session
-        assert session is not None
         send = session.send
-        room_before = send.acked + send.peer_window - send.next_seq
+        room_before = send.end - send.next_seq
         progress = send.on_ack(message.ack, message.sack, now)
         if message.window is not None:
             send.peer_window = message.window
@@ -377,7 +381,7 @@ class _Connection(ABC):
         if send.next_unsent < send.next_seq:
             self._flush_new()
         if room_before <= 0:
-            room = send.acked + send.peer_window - send.next_seq
+            room = send.end - send.next_seq
             if room > 0:
                 self._events.append(SendWindowOpened(available=room))
 
@@ -468,12 +472,18 @@ class _Connection(ABC):
             return
         self.error = exc
         self._out.clear()
-        self._frame_starts.clear()
         self._write(Error(code=exc.code, message=exc.message))
         self._close(discard=True)
 
+    def _opened(self, session: SessionState) -> None:
+        """The handshake is done: `session` is attached and the connection is OPEN."""
+        self.session = self._live = session
+        self._live_send = session.send
+        self.state = _OPEN
+
     def _close(self, *, discard: bool) -> None:
         self.state = ConnectionState.CLOSED
+        self._live = self._live_send = None
         self._heartbeat = None
         session = self.session
         if session is not None:
@@ -485,7 +495,6 @@ class _Connection(ABC):
     def _detach(self, now: float) -> None:
         session = self.session
         self._out.clear()
-        self._frame_starts.clear()
         self._close(discard=False)
         if session is not None and not session.discarded:
             session.detached_at = now

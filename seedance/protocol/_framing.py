@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
+from typing import Final
 
 from .errors import ErrorCode, RemoteProtocolError
 from .limits import HEADER_SIZE, MAGIC
@@ -14,12 +15,22 @@ _HEADER = struct.Struct(">II")
 pack_header = _HEADER.pack
 _unpack_header_from = _HEADER.unpack_from
 
+SMALL_FRAME: Final = 256
+"""Payloads shorter than this take their header from `SMALL_HEADERS`."""
+SMALL_HEADERS: Final = tuple(_HEADER.pack(MAGIC, length) for length in range(SMALL_FRAME))
+"""The header of every payload length below `SMALL_FRAME` (deltas, acks), packed once."""
+
+
+def frame_header(length: int) -> bytes:
+    """The 8 header bytes of a frame whose payload is `length` bytes long."""
+    return SMALL_HEADERS[length] if length < SMALL_FRAME else _HEADER.pack(MAGIC, length)
+
 
 def encode_frame(payload: bytes) -> bytes:
     """One frame carrying `payload` (1 <= len(payload))."""
     if not payload:
         raise ValueError("payload: a frame carries at least one byte")
-    return _HEADER.pack(MAGIC, len(payload)) + payload
+    return frame_header(len(payload)) + payload
 
 
 def check_header(magic: int, length: int, max_frame: int) -> None:

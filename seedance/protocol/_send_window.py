@@ -58,20 +58,24 @@ class SendWindow(Generic[T]):
     `peer_window` bounds `next_seq - acked` (§9.1): `room` is how many more frames may be
     numbered now. One frame at a time is timed for an RTT sample (as in BSD TCP; RFC 6298
     asks for at least one sample per round trip).
+
+    `end` (`acked + peer_window`, kept up to date by the `peer_window` setter and `on_ack`) is
+    the first seq the peer's window does not admit: the per-token checks compare one number.
     """
 
     __slots__ = (
+        "_acked",
         "_entries",
         "_handed",
+        "_peer_window",
         "_retransmitted",
         "_sacked",
         "_timed_at",
         "_timed_seq",
-        "acked",
         "deadline",
+        "end",
         "next_seq",
         "next_unsent",
-        "peer_window",
         "retransmissions",
         "timer",
     )
@@ -84,8 +88,10 @@ class SendWindow(Generic[T]):
         self.next_unsent = 0
         """Every frame below this seq has been written at least once."""
         self._handed = 0  # frames below this were handed to the transport
-        self.acked = 0
-        self.peer_window = peer_window
+        self._acked = 0
+        self._peer_window = peer_window
+        self.end = peer_window
+        """`acked + peer_window`: frames from this seq on wait for the window (read-only)."""
         self.timer = timer
         self.deadline: float | None = None
         """When the retransmission timer expires (None: nothing in flight)."""
@@ -95,12 +101,27 @@ class SendWindow(Generic[T]):
         """Frames written again so far (timer expiries and resumes), for metrics."""
 
     @property
+    def acked(self) -> int:
+        """Every frame below this seq has been acknowledged (and forgotten)."""
+        return self._acked
+
+    @property
+    def peer_window(self) -> int:
+        """How many frames may be in flight (the peer's `window`, §9.1)."""
+        return self._peer_window
+
+    @peer_window.setter
+    def peer_window(self, window: int) -> None:
+        self._peer_window = window
+        self.end = self._acked + window
+
+    @property
     def room(self) -> int:
-        return self.acked + self.peer_window - self.next_seq
+        return self.end - self.next_seq
 
     @property
     def unacked(self) -> int:
-        return self.next_seq - self.acked
+        return self.next_seq - self._acked
 
     def push(self, frame: T) -> int:
         """Number `frame` with the next sequence number and keep it until acknowledged."""
@@ -132,34 +153,42 @@ class SendWindow(Generic[T]):
         An `ack` below an earlier one is stale (reordered) and ignored; acknowledging a frame
         that was never sent is a `protocol_violation`.
         """
-        if ack > self.next_seq:
+        next_seq = self.next_seq
+        if ack > next_seq:
             raise RemoteProtocolError(
-                ErrorCode.PROTOCOL_VIOLATION, f"ack {ack} acknowledges unsent seq {self.next_seq}"
+                ErrorCode.PROTOCOL_VIOLATION, f"ack {ack} acknowledges unsent seq {next_seq}"
             )
         entries = self._entries
         for start, end in sack:
-            if not ack < start < end <= self.next_seq:
+            if not ack < start < end <= next_seq:
                 raise RemoteProtocolError(
                     ErrorCode.PROTOCOL_VIOLATION,
-                    f"sack range [{start}, {end}) outside ({ack}, {self.next_seq}]",
+                    f"sack range [{start}, {end}) outside ({ack}, {next_seq}]",
                 )
             self._sacked.update(seq for seq in range(start, end) if seq in entries)
-        if ack <= self.acked:
+        acked = self._acked
+        if ack <= acked:
             return False
-        for seq in range(self.acked, ack):
-            del entries[seq]
+        if ack == next_seq:
+            entries.clear()  # everything acknowledged (the common case of a streaming server)
+        else:
+            for seq in range(acked, ack):
+                del entries[seq]
         if self._sacked:
             self._sacked = {seq for seq in self._sacked if seq >= ack}
         if self._retransmitted:
             self._retransmitted = {seq for seq in self._retransmitted if seq >= ack}
-        self.acked = ack
+        self._acked = ack
+        self.end = ack + self._peer_window
         timer = self.timer
         timed = self._timed_seq
         if timed is not None and timed < ack:
             self._timed_seq = None
             timer.sample(now - self._timed_at)
         timer.backoff = 0  # RFC 6298 5.7: progress ends the backoff
-        self.deadline = now + timer.rto if self._oldest_unsacked() is not None else None
+        self.deadline = (
+            now + timer.rto if entries and self._oldest_unsacked() is not None else None
+        )
         return True
 
     def _oldest_unsacked(self) -> int | None:

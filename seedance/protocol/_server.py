@@ -6,15 +6,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import msgspec
+
 from ._connection import (
-    _ACCEPTED,
     _CANCELLED,
     _OPEN,
     ConnectionState,
     _Connection,
     _violation,
 )
-from ._framing import pack_header
+from ._framing import SMALL_FRAME, SMALL_HEADERS, pack_header
 from ._heartbeat import CONNECTION, SESSION, Key, negotiate
 from ._session import Role, SessionState, new_session_id
 from ._stream_state import StreamRecord, next_state
@@ -48,6 +49,7 @@ from .messages import (
     StreamError,
     Usage,
     Welcome,
+    _remote_error,
 )
 
 __all__ = ["ServerConnection"]
@@ -74,8 +76,11 @@ class ServerConnection(_Connection):
         self._stashed = 0
 
     def _receive_payload(self, payload: bytes | bytearray | memoryview, now: float) -> None:
-        if self.state is _OPEN:
-            message = self._decode(payload)
+        if self._live is not None:
+            try:
+                message = self._raw_decode(payload)
+            except msgspec.MsgspecError as exc:
+                raise _remote_error(exc) from None
             handler = self._handlers.get(type(message))
             if handler is None:
                 raise _violation(f"{type(message).__name__.lower()} is not sent to a server")
@@ -135,8 +140,7 @@ class ServerConnection(_Connection):
         session.detached_at = None
         session.attached = True
         session.send.peer_window = hello.window
-        self.session = session
-        self.state = _OPEN
+        self._opened(session)
         self._write(
             Welcome(
                 v=PROTOCOL_VERSION,
@@ -228,14 +232,14 @@ class ServerConnection(_Connection):
 
     def can_send_delta(self, stream: int, n_tokens: int = 1) -> bool:
         """True when the window and `stream`'s credit allow a delta of `n_tokens` now."""
-        session = self.session
-        if self.state is not _OPEN or session is None:
+        session = self._live
+        if session is None:
             return False
         send = session.send
-        if send.next_seq >= send.acked + send.peer_window:
+        if send.next_seq >= send.end:
             return False
         record = session.streams.get(stream)
-        if record is None or (record.state is not _ACCEPTED and record.state is not _CANCELLED):
+        if record is None or not record.flowing:
             return False
         limit = record.limit
         return limit is None or record.sent + n_tokens <= limit
@@ -250,36 +254,35 @@ class ServerConnection(_Connection):
         The per-token hot path: `SessionState.send_delta`'s checks, inlined, and the frame
         encoded straight into the output buffer. Nothing changes when it raises.
         """
-        session = self.session
-        if self.state is not _OPEN or session is None:
+        session = self._live
+        if session is None:
             raise LocalProtocolError(f"connection is {self.state.value}, not open")
         send = session.send
         seq = send.next_seq
-        if seq >= send.acked + send.peer_window or seq != send.next_unsent:
+        if seq >= send.end or seq != send.next_unsent:
             raise LocalProtocolError("send window is full: wait for SendWindowOpened")
         record = session.streams.get(stream)
-        if record is None or (record.state is not _ACCEPTED and record.state is not _CANCELLED):
+        if record is None or not record.flowing:
             raise LocalProtocolError(f"stream {stream} is not accepted")
         if type(tokens) is not tuple:
             tokens = tuple(tokens)
-        credit = record
-        index = credit.sent
+        index = record.sent
         end = index + len(tokens)
-        if credit.limit is not None and end > credit.limit:
+        limit = record.limit
+        if limit is not None and end > limit:
             raise LocalProtocolError(
-                f"stream {stream} has credit up to token {credit.limit}: wait for CreditGranted"
+                f"stream {stream} has credit up to token {limit}: wait for CreditGranted"
             )
         message = Delta(seq, stream, index, text, tokens)
         payload = self._encode(message)
         length = len(payload)
         if length > self._peer_max_frame:
             raise LocalProtocolError(f"delta of {length} bytes exceeds the peer's max_frame")
-        out = self._out
-        if self._coalesce:
-            self._frame_starts.append(len(out))
-        out += pack_header(MAGIC, length)
-        out += payload
-        credit.sent = end
+        self._out.append(
+            (SMALL_HEADERS[length] if length < SMALL_FRAME else pack_header(MAGIC, length))
+            + payload
+        )
+        record.sent = end
         send._entries[seq] = message
         send.next_seq = send.next_unsent = seq + 1
 

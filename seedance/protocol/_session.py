@@ -29,8 +29,6 @@ from .messages import (
 
 Role = Literal["client", "server"]
 
-_ACCEPTED = StreamState.ACCEPTED
-_CANCELLED = StreamState.CANCELLED
 
 
 def new_session_id() -> str:
@@ -122,10 +120,10 @@ class SessionState:
         """Whether a delta of `n_tokens` may go out now: the send window has room, no frame is
         waiting for it, and the stream's credit allows the tokens (§6, §9)."""
         send = self.send
-        if send.next_seq >= send.acked + send.peer_window:
+        if send.next_seq >= send.end:
             return False
         record = self.streams.get(stream)
-        if record is None or (record.state is not _ACCEPTED and record.state is not _CANCELLED):
+        if record is None or not record.flowing:
             return False
         return record.allows(n_tokens)
 
@@ -141,10 +139,10 @@ class SessionState:
         """Number a delta; raise `LocalProtocolError` unless `can_send_delta` allows it."""
         send = self.send
         seq = send.next_seq
-        if seq >= send.acked + send.peer_window:
+        if seq >= send.end:
             raise LocalProtocolError("send window is full: wait for SendWindowOpened")
         record = self.streams.get(stream)
-        if record is None or (record.state is not _ACCEPTED and record.state is not _CANCELLED):
+        if record is None or not record.flowing:
             if self.role != "server":
                 raise LocalProtocolError("only a server sends delta")
             raise LocalProtocolError(f"stream {stream} is not accepted")

@@ -45,13 +45,25 @@ def next_state(state: StreamState, event: StreamEvent) -> StreamState | None:
 
 class StreamRecord(StreamCredit):
     """One open stream of a session: its token credit (inherited, so the per-token checks
-    read one object) and its state."""
+    read one object) and its state. `flowing` (deltas may be sent and received: accepted, or
+    cancelled while deltas already on the wire arrive) follows `state`, so that the per-token
+    paths test one attribute."""
 
-    __slots__ = ("state",)
+    __slots__ = ("_state", "flowing")
 
     def __init__(self, credit_limit: int | None) -> None:
         super().__init__(credit_limit)
-        self.state = StreamState.OPENED
+        self._state = StreamState.OPENED
+        self.flowing = False
+
+    @property
+    def state(self) -> StreamState:
+        return self._state
+
+    @state.setter
+    def state(self, state: StreamState) -> None:
+        self._state = state
+        self.flowing = state is _A or state is _X
 
     @property
     def credit(self) -> StreamCredit:

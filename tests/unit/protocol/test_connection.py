@@ -101,3 +101,45 @@ def test_codec_is_validated() -> None:
 
 def test_limits_are_shared_defaults() -> None:
     assert ServerConnection().limits == ProtocolLimits()
+
+
+def stream_deltas(container: type) -> list[tuple[int, str]]:
+    """Deltas of every size class (cached and packed headers) fed as `container`."""
+    from seedance.protocol import DeltaReceived, StreamOpened
+
+    client, server = handshake()
+    stream = client.open_stream(prompt="x")
+    server.receive_data(client.data_to_send(0.0), 0.0)
+    assert isinstance(server.next_event(), StreamOpened)
+    server.accept_stream(stream, token_quota=100, batch_size=1)
+    texts = ["a", "b" * 300, "c"]  # the second payload is over SMALL_FRAME bytes
+    for i, text in enumerate(texts):
+        server.send_delta(stream, text, (i,))
+    seen = []
+    client.receive_data(container(server.data_to_send(0.0)), 0.0)  # accept + 3 deltas at once
+    for event in client.events():
+        if isinstance(event, DeltaReceived):
+            seen.append((event.index, event.text))
+    return seen
+
+
+@pytest.mark.parametrize("container", [bytes, bytearray, memoryview])
+def test_deltas_arrive_whatever_the_buffer_type_and_size(container: type) -> None:
+    assert stream_deltas(container) == [(0, "a"), (1, "b" * 300), (2, "c")]
+
+
+def test_one_frame_per_call_takes_the_same_path_for_every_size() -> None:
+    from seedance.protocol import DeltaReceived, StreamOpened
+
+    client, server = handshake()
+    stream = client.open_stream(prompt="x")
+    server.receive_data(client.data_to_send(0.0), 0.0)
+    assert isinstance(server.next_event(), StreamOpened)
+    server.accept_stream(stream, token_quota=100, batch_size=1)
+    client.receive_data(server.data_to_send(0.0), 0.0)
+    client.events()
+    for i, text in enumerate(["a", "b" * 300]):
+        server.send_delta(stream, text, (i,))
+        client.receive_data(memoryview(server.data_to_send(0.0)), 0.0)
+        (event,) = client.events()
+        assert isinstance(event, DeltaReceived) and (event.index, event.text) == (i, text)

@@ -47,3 +47,13 @@ def test_memoryview_and_bytearray_input() -> None:
     data = encode_frame(b"hello")
     assert list(FrameDecoder(10).feed(memoryview(data))) == [b"hello"]
     assert list(FrameDecoder(10).feed(bytearray(data))) == [b"hello"]
+
+
+def test_cached_small_headers_match_packed_ones() -> None:
+    import struct
+
+    from seedance.protocol._framing import SMALL_FRAME, frame_header
+    from seedance.protocol.limits import MAGIC
+
+    for length in (1, 60, SMALL_FRAME - 1, SMALL_FRAME, 70_000):
+        assert frame_header(length) == struct.pack(">II", MAGIC, length)

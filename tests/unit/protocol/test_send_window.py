@@ -128,3 +128,29 @@ def test_retransmissions_count_timer_expiries_and_resume_rewrites() -> None:
     for seq in send.resend_from(1):
         send.mark_retransmitted(seq)
     assert send.retransmissions == 3
+
+
+def test_end_follows_peer_window_and_acks() -> None:
+    send = window(3, peer_window=4)
+    assert send.end == 4 and send.room == 1
+    send.peer_window = 6
+    assert send.end == 6 and send.room == 3
+    write(send, 3, 0.0)
+    assert send.on_ack(2, (), 0.1)
+    assert send.acked == 2 and send.end == 8 and send.room == 5
+
+
+def test_partial_and_complete_acks_forget_exactly_the_acknowledged_frames() -> None:
+    send = window(4)
+    write(send, 4, 0.0)
+    send.on_ack(1, (), 0.1)
+    assert [seq for seq in range(4) if seq in send._entries] == [1, 2, 3]
+    assert send.deadline is not None  # frames 1..3 still in flight
+    send.on_ack(4, (), 0.2)  # everything: the window empties at once
+    assert not send._entries and send.deadline is None and send.unacked == 0
+
+
+def test_acked_is_read_only() -> None:
+    send = window()
+    with pytest.raises(AttributeError):
+        send.acked = 3  # type: ignore[misc]
