@@ -1,0 +1,1 @@
+"""Building blocks of the models: rotary embeddings, RMSNorm and the sampler."""

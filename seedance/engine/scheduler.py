@@ -1,0 +1,257 @@
+"""Which sequences run in the next step and how many tokens each computes: one token budget
+shared by decodes and prefill chunks (vLLM V1 style), urgency order, preemption by recompute,
+pause/resume and the adaptive batching window."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from seedance.engine.block_manager import BlockManager
+from seedance.engine.errors import EngineError
+from seedance.engine.sequence import Sequence, SequenceStatus
+
+DEADLINE_BOOST_S = 0.5
+"""A request this close to (or past) its soft deadline rises by one priority class."""
+WATERMARK_FRACTION = 0.01
+"""Free blocks kept in reserve for decodes when admitting and chunking prefills."""
+
+
+class BatchWindow:
+    """How many sequences may run per step (seed 000 §4.1):
+    clamp(base · exp(−k · mean_interarrival_ms + c · pending), 4, max_batch_size).
+    Dense traffic or a backlog widens the window (throughput); sparse traffic narrows it so a
+    few requests run fast (first-token latency). `static` always allows `max_batch_size`."""
+
+    BASE = 256.0
+    K = 0.015
+    C = 0.8
+    MIN = 4
+    HISTORY = 16
+
+    def __init__(self, max_batch_size: int, adaptive: bool) -> None:
+        self.max_batch_size = max_batch_size
+        self.adaptive = adaptive
+        self._arrivals: deque[float] = deque(maxlen=self.HISTORY + 1)
+
+    def record_arrival(self, now: float) -> None:
+        self._arrivals.append(now)
+
+    def mean_interarrival_ms(self) -> float:
+        if len(self._arrivals) < 2:
+            return 0.0
+        return 1000.0 * (self._arrivals[-1] - self._arrivals[0]) / (len(self._arrivals) - 1)
+
+    def size(self, num_pending: int) -> int:
+        if not self.adaptive:
+            return self.max_batch_size
+        exponent = -self.K * self.mean_interarrival_ms() + self.C * num_pending
+        window = self.BASE * math.exp(min(exponent, 50.0))
+        return int(max(min(self.MIN, self.max_batch_size), min(window, self.max_batch_size)))
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's batch: sequences in order with their new-token counts."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    batch_window: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Owns the waiting, running and paused sequences and the block manager's allocations."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_batch_size: int,
+        max_num_batched_tokens: int,
+        max_queued_requests: int,
+        adaptive_window: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_queued_requests = max_queued_requests
+        self.window = BatchWindow(max_batch_size, adaptive_window)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.paused: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self.watermark_blocks = max(1, int(block_manager.num_blocks * WATERMARK_FRACTION))
+
+    # ---- request lifecycle ----------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.paused)
+
+    def add(self, seq: Sequence, now: float | None = None) -> None:
+        """Queue a new sequence; EngineError('overloaded') when the waiting queue is full."""
+        if len(self.waiting) >= self.max_queued_requests:
+            raise EngineError(
+                "overloaded",
+                f"the waiting queue is full ({self.max_queued_requests} requests)",
+            )
+        self.window.record_arrival(time.monotonic() if now is None else now)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take `seq` out of every queue and free its blocks (finish or abort)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.PAUSED:
+            del self.paused[seq.request_id]
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def pause(self, seq: Sequence) -> None:
+        """Take `seq` out of the batch; it keeps its blocks (until memory pressure)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        seq.status = SequenceStatus.PAUSED
+        self.paused[seq.request_id] = seq
+
+    def resume(self, seq: Sequence) -> None:
+        """Queue a paused sequence again; with its KV still there it continues where it was."""
+        if seq.status is not SequenceStatus.PAUSED:
+            return
+        del self.paused[seq.request_id]
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Choose this step's batch. Running sequences first (most urgent first), then waiting
+        ones while the budget, the batch window and the free blocks allow."""
+        now = time.monotonic() if now is None else now
+        out = SchedulerOutput()
+        bm = self.block_manager
+
+        def key(s: Sequence) -> tuple[int, float, int]:
+            return s.urgency(now, DEADLINE_BOOST_S)
+
+        self.waiting.sort(key=key)
+        self.running.sort(key=key)
+        limit = min(self.max_batch_size, self.window.size(len(self.waiting)))
+        out.batch_window = limit
+        self._preempt_for_urgent_arrivals(limit, now, out)
+        memory_short = False
+
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            want = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # a prefill chunk leaves the watermark to decodes unless it could not progress
+            num_new = self._chunk(seq, want, reserve=want > 1)
+            if num_new == 0:
+                num_new = self._chunk(seq, want, reserve=False)
+            while num_new == 0:
+                victim = self._pick_victim(exclude=seq, scheduled=scheduled)
+                if victim is None:
+                    break
+                self._preempt(victim, out, now)
+                memory_short = True
+                num_new = self._chunk(seq, want, reserve=False)
+            if num_new == 0:  # nothing else to take memory from: preempt seq itself
+                self._preempt(seq, out, now)
+                memory_short = True
+                continue
+            bm.allocate(seq, seq.num_computed_tokens + num_new)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(num_new)
+            scheduled.add(id(seq))
+            budget -= num_new
+            i += 1
+
+        if memory_short:  # memory is short: admit nothing new this step
+            return out
+        while self.waiting and budget > 0 and len(self.running) < limit:
+            seq = self.waiting[0]
+            fresh = not seq.block_ids
+            if fresh:
+                hit = bm.match_prefix(seq)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = self._chunk(seq, min(remaining, budget), reserve=True)
+            if num_new == 0:
+                if fresh:
+                    bm.free(seq)  # drop the prefix references taken above
+                break
+            if fresh and seq.first_scheduled_time is None:
+                bm.record_prefix_query(seq.num_tokens, hit)
+                seq.num_cached_tokens = hit
+            bm.allocate(seq, seq.num_computed_tokens + num_new)
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+        return out
+
+    def _chunk(self, seq: Sequence, want: int, *, reserve: bool) -> int:
+        """How many of `want` tokens fit in free blocks (adaptive chunking). Prefill chunks
+        keep `watermark_blocks` free for decodes; a decode may use the reserve."""
+        bm = self.block_manager
+        free = bm.free_block_count - (self.watermark_blocks if reserve else 0)
+        capacity = (len(seq.block_ids) + max(free, 0)) * bm.block_size - seq.num_computed_tokens
+        return max(0, min(want, capacity))
+
+    def _pick_victim(self, exclude: Sequence, scheduled: set[int]) -> Sequence | None:
+        """Whom to preempt for memory: a paused or waiting sequence holding blocks, else the
+        least urgent running sequence not yet scheduled this step."""
+        for seq in self.paused.values():
+            if seq.block_ids:
+                return seq
+        for seq in reversed(self.waiting):
+            if seq.block_ids:
+                return seq
+        for seq in reversed(self.running):
+            if seq is not exclude and id(seq) not in scheduled:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, now: float) -> None:
+        """Free `seq`'s blocks; it will recompute its tokens when scheduled again."""
+        self.block_manager.free(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.append(seq)
+            self.waiting.sort(key=lambda s: s.urgency(now, DEADLINE_BOOST_S))
+
+    def _preempt_for_urgent_arrivals(self, limit: int, now: float, out: SchedulerOutput) -> None:
+        """With the batch full, a waiting sequence of a more urgent priority class takes the
+        place of the least urgent running one."""
+        while self.waiting and self.running and len(self.running) >= limit:
+            best = self.waiting[0].urgency(now, DEADLINE_BOOST_S)
+            worst = self.running[-1].urgency(now, DEADLINE_BOOST_S)
+            if best[0] >= worst[0]:
+                return
+            self._preempt(self.running[-1], out, now)

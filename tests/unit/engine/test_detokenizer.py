@@ -1,0 +1,89 @@
+"""Incremental detokenization: only whole UTF-8 characters, stop strings across token
+boundaries, held-back text that may still become a stop string."""
+
+from __future__ import annotations
+
+import pytest
+
+from seedance.engine.detokenizer import IncrementalDetokenizer
+from seedance.engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir) -> Tokenizer:
+    return Tokenizer(tokenizer_dir)
+
+
+def stream(tok: Tokenizer, text: str, **kwargs) -> tuple[list[str], bool, IncrementalDetokenizer]:
+    ids = tok.hf.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(
+        tok.decode, tok.hf.encode("x = ", add_special_tokens=False), **kwargs
+    )
+    pieces, stopped = [], False
+    for t in ids:
+        piece, stopped = d.push([t])
+        pieces.append(piece)
+        if stopped:
+            break
+    return pieces, stopped, d
+
+
+def test_multibyte_characters_split_across_tokens_come_out_whole(tok):
+    text = "é€😀 ok ünïcödé"
+    ids = tok.hf.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # the characters really are split into byte tokens
+    pieces, _, d = stream(tok, text)
+    assert "".join(pieces) + d.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert "" in pieces  # some tokens had to wait for the rest of their character
+
+
+def test_stop_string_spanning_tokens_ends_the_text_before_it(tok):
+    pieces, stopped, d = stream(tok, "hello STOP world", stop=["STOP"])
+    assert stopped
+    assert "".join(pieces) == "hello "
+    assert d.text == "hello "
+
+
+def test_include_stop_str_in_output(tok):
+    pieces, stopped, _ = stream(
+        tok, "hello STOP world", stop=["STOP"], include_stop_str_in_output=True
+    )
+    assert stopped and "".join(pieces) == "hello STOP"
+
+
+def test_text_that_may_become_a_stop_string_is_held_back(tok):
+    d = IncrementalDetokenizer(tok.decode, [], stop=["STOP"])
+    emitted = ""
+    for t in tok.hf.encode("abc ST", add_special_tokens=False):
+        emitted += d.push([t])[0]
+    assert emitted == "abc "  # "ST" could still become "STOP"
+    for t in tok.hf.encode("ay", add_special_tokens=False):
+        emitted += d.push([t])[0]
+    assert emitted == "abc STay"  # it did not: released
+
+
+def test_flush_releases_held_back_text(tok):
+    pieces, stopped, d = stream(tok, "the end is ST", stop=["STOP"])
+    assert not stopped
+    assert "".join(pieces) + d.flush() == "the end is ST"
+
+
+def test_earliest_of_several_stop_strings_wins(tok):
+    pieces, stopped, _ = stream(tok, "one two three", stop=["three", "two"])
+    assert stopped and "".join(pieces) == "one "
+
+
+def test_no_stop_strings_streams_everything(tok):
+    text = "def f(x):\n    return x  # done"
+    pieces, stopped, d = stream(tok, text)
+    assert not stopped and "".join(pieces) + d.flush() == text
+
+
+def test_special_tokens_are_skipped_unless_asked(tok):
+    eos = tok.eos_token_id
+    d = IncrementalDetokenizer(tok.decode, [])
+    assert d.push(tok.hf.encode("ok", add_special_tokens=False))[0] == "ok"
+    assert d.push([eos])[0] == ""
+    d2 = IncrementalDetokenizer(tok.decode, [], skip_special_tokens=False)
+    assert d2.push([eos])[0] == "<|end_of_text|>"
