@@ -1,0 +1,206 @@
+"""EngineBridge + RequestHandle on the null engine: one call per step into trio, fan-out,
+bounded per-request buffering that pauses the engine request, consumer pause/resume, cancel,
+admission, and no orphaned engine request whichever way a handle's block is left."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+import trio.testing
+
+from seedance.engine.config import EngineConfig
+from seedance.engine.errors import EngineError
+from seedance.engine.null_engine import NullEngine
+from seedance.engine.outputs import EngineStats
+from seedance.engine.sampling_params import SamplingParams
+from seedance.server import engine_bridge
+from seedance.server.engine_bridge import EngineBridge
+from seedance.server.metrics import ServerMetrics
+
+
+@pytest.fixture
+async def bridge() -> AsyncIterator[EngineBridge]:
+    engine = NullEngine(EngineConfig(model="null"))
+    bridge = EngineBridge(engine, ServerMetrics(), max_concurrent_requests=4,
+                          max_queued_requests=2, max_batch_size=64)
+    await bridge.start()
+    try:
+        yield bridge
+    finally:
+        bridge.close()
+        await trio.to_thread.run_sync(engine.shutdown)
+
+
+def idle(stats: EngineStats) -> bool:
+    return (stats.num_running == stats.num_waiting == stats.num_paused == 0
+            and stats.kv_blocks_free == stats.kv_blocks_total)
+
+
+async def wait_engine_idle(bridge: EngineBridge) -> None:
+    with trio.fail_after(10):
+        while not idle(bridge.engine.stats()):
+            await trio.sleep(0.005)
+
+
+async def test_deltas_arrive_in_order_and_end_with_the_final_one(bridge: EngineBridge) -> None:
+    ids = bridge.engine.encode("hello")
+    async with bridge.open_request(ids, SamplingParams(max_tokens=50)) as handle:
+        deltas = [d async for d in handle]
+    assert [i for d in deltas for i in range(d.index, d.index + len(d.token_ids))] == list(
+        range(50)
+    )
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert handle.finished and handle.final is deltas[-1] and handle.num_tokens == 50
+    assert bridge.num_open == 0
+    assert bridge.metrics.time_to_first_token.count == 1
+    assert bridge.metrics.e2e_request_latency.count == 1
+
+
+async def test_many_requests_are_fanned_out_from_shared_steps(bridge: EngineBridge) -> None:
+    texts: dict[int, str] = {}
+
+    async def one(i: int) -> None:
+        ids = bridge.engine.encode(f"prompt {i % 2}")
+        async with bridge.open_request(ids, SamplingParams(max_tokens=30, temperature=0)) as h:
+            texts[i] = "".join([d.text async for d in h])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(one, i)
+    assert texts[0] == texts[2] and texts[1] == texts[3] and len(texts[0]) == 30
+
+
+async def test_a_consumer_that_does_not_read_gets_its_request_paused(
+    bridge: EngineBridge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = bridge.engine.encode("slow reader")
+    async with bridge.open_request(ids, SamplingParams(max_tokens=100_000),
+                                   buffer_tokens=16) as handle:
+        with trio.fail_after(10):
+            while bridge.engine.stats().num_paused != 1:
+                await trio.sleep(0.005)
+        held = handle.buffered_tokens
+        # bounded: the limit plus what the in-flight steps carried
+        assert 16 <= held <= 16 + engine_bridge.MAX_STEPS_IN_FLIGHT
+        await trio.sleep(0.05)
+        assert handle.buffered_tokens == held  # nothing more while paused
+        batch = await handle.receive_batch()
+        assert sum(len(d.token_ids) for d in batch) == held
+        with trio.fail_after(10):
+            while handle.buffered_tokens == 0:  # draining resumed the engine request
+                await trio.sleep(0.005)
+    await wait_engine_idle(bridge)
+
+
+async def test_consumer_pause_and_resume_drive_the_engine(bridge: EngineBridge) -> None:
+    ids = bridge.engine.encode("credit")
+    async with bridge.open_request(ids, SamplingParams(max_tokens=100_000)) as handle:
+        await handle.receive_batch()
+        handle.pause()
+        with trio.fail_after(10):
+            while bridge.engine.stats().num_paused != 1:
+                await trio.sleep(0.005)
+        await trio.sleep(0.02)  # deltas of steps before the pause land
+        if handle.buffered_tokens:
+            await handle.receive_batch()
+        await trio.sleep(0.05)
+        assert handle.buffered_tokens == 0  # paused: nothing new
+        handle.resume()
+        with trio.fail_after(10):
+            batch = await handle.receive_batch()
+        assert sum(len(d.token_ids) for d in batch) > 0
+    await wait_engine_idle(bridge)
+
+
+async def test_cancel_delivers_a_cancelled_final_delta(bridge: EngineBridge) -> None:
+    ids = bridge.engine.encode("stop me")
+    async with bridge.open_request(ids, SamplingParams(max_tokens=100_000)) as handle:
+        await handle.receive_batch()
+        handle.cancel()
+        handle.cancel()  # idempotent
+        rest = [d async for d in handle]
+    assert rest[-1].finish_reason == "cancelled" and rest[-1].usage is not None
+    await wait_engine_idle(bridge)
+
+
+async def test_leaving_the_block_early_aborts_the_engine_request(bridge: EngineBridge) -> None:
+    ids = bridge.engine.encode("abandon")
+    with trio.move_on_after(0.05):
+        async with bridge.open_request(ids, SamplingParams(max_tokens=1_000_000)) as handle:
+            async for _ in handle:
+                pass
+    assert bridge.num_open == 0
+    await wait_engine_idle(bridge)
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        async with bridge.open_request(ids, SamplingParams(max_tokens=1_000_000)):
+            raise Boom
+    await wait_engine_idle(bridge)
+
+
+async def test_admission_waits_beyond_the_limit_and_refuses_beyond_the_queue(
+    bridge: EngineBridge,
+) -> None:
+    ids = bridge.engine.encode("hold")
+    params = SamplingParams(max_tokens=1_000_000)
+    release = trio.Event()
+    served: list[int] = []
+
+    async def hold(i: int) -> None:
+        async with bridge.open_request(ids, params) as handle:
+            served.append(i)
+            handle.pause()
+            await release.wait()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(6):  # 4 slots + 2 queued
+            nursery.start_soon(hold, i)
+            await trio.testing.wait_all_tasks_blocked()
+        assert served == [0, 1, 2, 3] and bridge.admission.num_waiting == 2
+        assert bridge.num_open == 6
+        with pytest.raises(EngineError) as info:
+            async with bridge.open_request(ids, params):
+                pass
+        assert info.value.code == "overloaded"
+        release.set()
+    assert sorted(served) == list(range(6))
+    await wait_engine_idle(bridge)
+
+
+async def test_prompt_that_fills_the_context_is_refused_before_admission(
+    bridge: EngineBridge,
+) -> None:
+    with pytest.raises(EngineError) as info:
+        async with bridge.open_request([65] * bridge.engine.max_model_len,
+                                       SamplingParams(), param="messages"):
+            pass
+    assert info.value.code == "context_length_exceeded" and info.value.param == "messages"
+    assert bridge.admission.in_use == 0
+
+
+async def test_duplicate_request_id_is_refused(bridge: EngineBridge) -> None:
+    ids = bridge.engine.encode("dup")
+    async with bridge.open_request(ids, SamplingParams(max_tokens=10), request_id="x") as h:
+        with pytest.raises(EngineError):
+            async with bridge.open_request(ids, SamplingParams(), request_id="x"):
+                pass
+        [d async for d in h]
+
+
+async def test_long_prompts_are_encoded_in_a_thread_with_the_same_result(
+    bridge: EngineBridge,
+) -> None:
+    text = "long " * 2000
+    assert await bridge.encode(text) == bridge.engine.encode(text)
+    messages = [{"role": "user", "content": text}]
+    assert await bridge.encode_chat(messages) == bridge.engine.encode_chat(messages)
+
+
+async def test_negotiate_reads_the_current_load(bridge: EngineBridge) -> None:
+    adoption = bridge.negotiate(prompt_tokens=10, max_tokens=None, expected_tokens=20)
+    assert adoption.token_quota == 20 and adoption.batch_size == 1
