@@ -1,0 +1,231 @@
+"""One protocol stream from `open` to `end`: validate and tokenize the request, open it in the
+engine through the bridge, `accept` it, turn engine deltas into `delta` frames only when the
+frame window and the stream's credit allow (pausing the engine request otherwise), and `end`
+it with the engine's reason and usage — or with `cancelled`, `timeout` or a stream error."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import msgspec
+import trio
+
+from seedance.engine.errors import EngineError
+from seedance.engine.outputs import RequestDelta
+from seedance.engine.sampling_params import SamplingParams
+from seedance.protocol import Open, StreamError, Usage
+from seedance.protocol.messages import EndReason
+from seedance.server.engine_bridge import RequestHandle
+
+if TYPE_CHECKING:
+    from seedance.server.session_table import SessionRecord
+
+log = logging.getLogger("seedance.server.streams")
+
+_END_REASONS: dict[str, EndReason] = {
+    "stop": "stop", "length": "length", "cancelled": "cancelled", "timeout": "timeout",
+    "error": "error",
+}
+
+Ending = tuple[EndReason, Usage, StreamError | None]
+
+
+def sampling_params(open_: Open, max_tokens: int) -> SamplingParams:
+    """The engine parameters of an `open` with `max_tokens` as negotiated (absent fields: the
+    engine's defaults). Every value the client gave, its own `max_tokens` included, is validated
+    first: `EngineError('invalid_request')` names a bad parameter (§3.2.1)."""
+    options = open_.params
+    if options is None:
+        return SamplingParams(max_tokens=max_tokens)
+    given = {
+        name: value
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+        if (value := getattr(options, name)) is not None
+    }
+    if options.stop is not None:
+        given["stop"] = list(options.stop)
+    requested = SamplingParams(**given)  # type: ignore[arg-type]
+    return msgspec.structs.replace(requested, max_tokens=max_tokens)
+
+
+def usage_of(final: RequestDelta | None, prompt_tokens: int, sent_tokens: int) -> Usage:
+    if final is not None and final.usage is not None:
+        u = final.usage
+        return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                     cached_tokens=u.cached_tokens)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=sent_tokens)
+
+
+class StreamPump:
+    """The task behind one stream; lives under its session (outlives a connection)."""
+
+    def __init__(self, record: SessionRecord, open_: Open) -> None:
+        self.record = record
+        self.open = open_
+        self.stream = open_.stream
+        self.handle: RequestHandle | None = None
+        self.paused = False
+        """True while the engine request is paused for lack of credit or window."""
+        self.sent_tokens = 0
+        self.prompt_tokens = 0
+        self._wakeup = trio.Event()
+        self._scope = trio.CancelScope()
+        self._cancelled = False
+        self._timed_out = False
+
+    # -- signals from the connection (trio thread, synchronous) ----------------------------------
+
+    def wake(self) -> None:
+        """Credit arrived, the window opened or a connection attached: try sending again."""
+        self._wakeup.set()
+
+    def cancel(self) -> None:
+        """The client sent `cancel`: abort the engine request; `end(cancelled)` follows."""
+        self._cancelled = True
+        if self.handle is not None:
+            self.handle.cancel()
+        else:
+            self._scope.cancel()
+        self.wake()
+
+    def time_out(self) -> None:
+        """A stream- or session-tier ping went unanswered: abort and `end(timeout)`."""
+        self._timed_out = True
+        self._scope.cancel()
+
+    # -- the task -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        record = self.record
+        try:
+            try:
+                reason, usage, error = await self._serve()
+            except Exception as exc:  # a bug must end this stream, not the session
+                log.exception("stream_failed", extra={"stream": self.stream})
+                reason, usage = "error", Usage(prompt_tokens=self.prompt_tokens,
+                                               completion_tokens=self.sent_tokens)
+                error = StreamError(code="internal", message=f"internal error: {exc}")
+            if not record.closed:
+                record.end_stream(self.stream, reason, usage, error)
+        finally:
+            record.pump_done(self.stream)
+
+    async def _serve(self) -> Ending:
+        ctx = self.record.ctx
+        open_ = self.open
+        with self._scope:
+            try:
+                if not ctx.knows_model(open_.model):
+                    raise EngineError("unknown_model", f"the model {open_.model!r} does not "
+                                      f"exist (this server serves {ctx.model_name!r})", "model")
+                if open_.messages is not None:
+                    token_ids = await ctx.bridge.encode_chat(
+                        [{"role": m.role, "content": m.content} for m in open_.messages]
+                    )
+                    param = "messages"
+                else:
+                    assert open_.prompt is not None
+                    token_ids = await ctx.bridge.encode(open_.prompt)
+                    param = "prompt"
+                self.prompt_tokens = len(token_ids)
+                ctx.bridge.check_prompt(token_ids, param)
+                adoption = ctx.bridge.negotiate(
+                    prompt_tokens=len(token_ids),
+                    max_tokens=None if open_.params is None else open_.params.max_tokens,
+                    expected_tokens=open_.expected_tokens,
+                    max_latency_s=None if open_.max_latency_ms is None
+                    else open_.max_latency_ms / 1000,
+                )
+                params = sampling_params(open_, adoption.token_quota)
+                async with ctx.bridge.open_request(
+                    token_ids, params, priority=open_.priority,
+                    deadline_s=None if open_.deadline_ms is None else open_.deadline_ms / 1000,
+                    request_id=f"{self.record.id}-{self.stream}", param=param,
+                ) as handle:
+                    self.handle = handle
+                    if self._cancelled:
+                        handle.cancel()
+                    self.record.accept_stream(self.stream, adoption.token_quota,
+                                              adoption.batch_size)
+                    return await self._pump(handle)
+            except EngineError as exc:
+                return ("error", Usage(prompt_tokens=self.prompt_tokens),
+                        StreamError(code=exc.code, message=exc.message))
+        usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.sent_tokens)
+        if self._timed_out:
+            return "timeout", usage, None
+        return "cancelled", usage, None
+
+    async def _pump(self, handle: RequestHandle) -> Ending:
+        record = self.record
+        trace = record.ctx.trace
+        pending: list[int] = []
+        texts: list[str] = []
+        final: RequestDelta | None = None
+        while True:
+            if pending or texts:
+                self._wakeup = trio.Event()
+                n = self._sendable(len(pending))
+                if n is None:
+                    if self._cancelled:  # the client does not want them any more
+                        pending.clear()
+                        texts.clear()
+                        continue
+                    if not self.paused:
+                        self.paused = True
+                        handle.pause()
+                    await self._wakeup.wait()
+                    continue
+                tokens = pending if n == len(pending) else pending[:n]
+                text = "".join(texts) if n == len(pending) else ""
+                seq = record.send_delta(self.stream, text, tokens)
+                self.sent_tokens += n
+                if trace is not None:
+                    trace.sent("frame", handle.request_id, tokens=n, nbytes=len(text), seq=seq)
+                if n == len(pending):
+                    pending = []
+                    texts = []
+                else:
+                    del pending[:n]
+                continue
+            if self.paused:
+                self.paused = False
+                handle.resume()
+            if final is not None:
+                reason = _END_REASONS.get(final.finish_reason or "stop", "stop")
+                error = None
+                if final.error_code is not None:
+                    reason = "error"
+                    error = StreamError(code=final.error_code, message=final.error_message or "")
+                if self._cancelled and reason != "error":
+                    reason = "cancelled"
+                return reason, usage_of(final, self.prompt_tokens, self.sent_tokens), error
+            batch = await handle.receive_batch()
+            if not batch:
+                return ("error", usage_of(None, self.prompt_tokens, self.sent_tokens),
+                        StreamError(code="internal", message="the engine request ended early"))
+            for delta in batch:
+                if delta.token_ids:
+                    pending.extend(delta.token_ids)
+                if delta.text:
+                    texts.append(delta.text)
+                if delta.finished:
+                    final = delta
+
+    def _sendable(self, n: int) -> int | None:
+        """How many of `n` pending tokens may go in one delta now (None: not even one)."""
+        record = self.record
+        stream = self.stream
+        if record.can_send_delta(stream, n):
+            return n
+        if n <= 1 or not record.can_send_delta(stream, 1):
+            return None
+        lo, hi = 1, n - 1  # lo fits; find the largest that does
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if record.can_send_delta(stream, mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

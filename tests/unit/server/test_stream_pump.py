@@ -1,0 +1,278 @@
+"""StreamPump against a fake session and a fake bridge: deltas only within credit and window
+(split when credit allows part), pausing the engine request and resuming on wake, cancel,
+timeout, stream errors, and the mapping of `open` fields to engine parameters."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from seedance.engine.errors import EngineError
+from seedance.engine.outputs import RequestDelta
+from seedance.engine.outputs import Usage as EngineUsage
+from seedance.protocol import Open, SamplingOptions, StreamError, Usage
+from seedance.server.batch_negotiation import Adoption
+from seedance.server.stream_pump import StreamPump, sampling_params
+
+
+class FakeHandle:
+    def __init__(self) -> None:
+        self.request_id = "r"
+        self.batches: list[list[RequestDelta]] = []
+        self.arrived = trio.Event()
+        self.paused = False
+        self.pauses = 0
+        self.cancelled = False
+        self.done = False
+
+    def push(self, *deltas: RequestDelta) -> None:
+        self.batches.append(list(deltas))
+        self.arrived.set()
+
+    async def receive_batch(self) -> list[RequestDelta]:
+        while not self.batches:
+            if self.done:
+                return []
+            self.arrived = trio.Event()
+            await self.arrived.wait()
+        batch = self.batches.pop(0)
+        if batch[-1].finished:
+            self.done = True
+        return batch
+
+    def pause(self) -> None:
+        self.paused = True
+        self.pauses += 1
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.push(RequestDelta("r", 0, [], "", finished=True, finish_reason="cancelled",
+                               usage=EngineUsage(3, 1)))
+
+
+class FakeBridge:
+    def __init__(self, refuse: EngineError | None = None) -> None:
+        self.handle = FakeHandle()
+        self.refuse = refuse
+        self.open = False
+        self.aborted = False
+
+    async def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
+        if len(token_ids) > 100:
+            raise EngineError("context_length_exceeded", "too long", param)
+
+    def negotiate(self, **kw: Any) -> Adoption:
+        return Adoption(batch_size=2, token_quota=kw["max_tokens"] or 50)
+
+    @asynccontextmanager
+    async def open_request(self, *a: Any, **kw: Any) -> AsyncIterator[FakeHandle]:
+        if self.refuse is not None:
+            raise self.refuse
+        self.open = True
+        try:
+            yield self.handle
+        finally:
+            self.open = False
+            if not self.handle.done:
+                self.aborted = True
+
+
+class FakeCtx:
+    def __init__(self, bridge: FakeBridge) -> None:
+        self.bridge = bridge
+        self.trace = None
+        self.model_name = "m"
+
+    def knows_model(self, name: str | None) -> bool:
+        return name in (None, "m")
+
+
+class FakeRecord:
+    """A session with `room` frames of window and `credit` tokens of credit."""
+
+    def __init__(self, bridge: FakeBridge, credit: int | None = None, room: int = 100) -> None:
+        self.ctx = FakeCtx(bridge)
+        self.id = "s"
+        self.closed = False
+        self.credit = credit
+        self.room = room
+        self.sent: list[tuple[str, list[int]]] = []
+        self.accepted: tuple[int, int] | None = None
+        self.ended: tuple[str, Usage, StreamError | None] | None = None
+        self.done = trio.Event()
+
+    def can_send_delta(self, stream: int, n: int) -> bool:
+        sent = sum(len(t) for _, t in self.sent)
+        return self.room > 0 and (self.credit is None or sent + n <= self.credit)
+
+    def send_delta(self, stream: int, text: str, tokens: list[int]) -> int:
+        assert self.can_send_delta(stream, len(tokens))
+        self.sent.append((text, list(tokens)))
+        self.room -= 1
+        return len(self.sent)
+
+    def accept_stream(self, stream: int, quota: int, batch: int) -> None:
+        self.accepted = (quota, batch)
+
+    def end_stream(self, stream: int, reason: str, usage: Usage,
+                   error: StreamError | None) -> None:
+        self.ended = (reason, usage, error)
+
+    def pump_done(self, stream: int) -> None:
+        self.done.set()
+
+
+def _open(**kw: Any) -> Open:
+    return Open(seq=0, stream=1, prompt="hi", **kw)
+
+
+def _delta(index: int, tokens: list[int], text: str, **kw: Any) -> RequestDelta:
+    return RequestDelta("r", index, tokens, text, **kw)
+
+
+async def _settle() -> None:
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_deltas_flow_and_the_end_carries_reason_and_usage() -> None:
+    bridge = FakeBridge()
+    record = FakeRecord(bridge)
+    pump = StreamPump(record, _open(params=SamplingOptions(max_tokens=3)))  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump.run)
+        await _settle()
+        assert record.accepted == (3, 2)
+        bridge.handle.push(_delta(0, [1, 2], "ab"), _delta(2, [3], "c", finished=True,
+                                                          finish_reason="length",
+                                                          usage=EngineUsage(2, 3)))
+        await record.done.wait()
+    assert record.sent == [("abc", [1, 2, 3])]  # one frame for the whole batch
+    assert record.ended == ("length", Usage(prompt_tokens=2, completion_tokens=3), None)
+
+
+async def test_no_credit_pauses_the_request_and_credit_resumes_it() -> None:
+    bridge = FakeBridge()
+    record = FakeRecord(bridge, credit=2)
+    pump = StreamPump(record, _open())  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump.run)
+        await _settle()
+        bridge.handle.push(_delta(0, [1, 2, 3], "xyz"))
+        await _settle()
+        # credit for 2 of 3 tokens: those go out (text held back), then the request pauses
+        assert record.sent == [("", [1, 2])]
+        assert bridge.handle.paused and pump.paused
+        record.credit = 10
+        pump.wake()
+        await _settle()
+        assert record.sent[-1] == ("xyz", [3])
+        assert not bridge.handle.paused
+        bridge.handle.push(_delta(3, [], "", finished=True, finish_reason="stop",
+                                  usage=EngineUsage(2, 3)))
+        await record.done.wait()
+    assert record.ended is not None and record.ended[0] == "stop"
+
+
+async def test_full_window_pauses_until_woken() -> None:
+    bridge = FakeBridge()
+    record = FakeRecord(bridge, room=0)
+    pump = StreamPump(record, _open())  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump.run)
+        await _settle()
+        bridge.handle.push(_delta(0, [1], "a"))
+        await _settle()
+        assert record.sent == [] and bridge.handle.paused
+        record.room = 5
+        pump.wake()
+        await _settle()
+        assert record.sent == [("a", [1])] and not bridge.handle.paused
+        pump.cancel()
+        await record.done.wait()
+    assert record.ended is not None and record.ended[0] == "cancelled"
+    assert bridge.handle.cancelled
+
+
+async def test_cancel_while_paused_drops_what_cannot_be_sent() -> None:
+    bridge = FakeBridge()
+    record = FakeRecord(bridge, credit=0)
+    pump = StreamPump(record, _open())  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump.run)
+        await _settle()
+        bridge.handle.push(_delta(0, [1], "a"))
+        await _settle()
+        pump.cancel()
+        await record.done.wait()
+    assert record.sent == []
+    assert record.ended is not None and record.ended[0] == "cancelled"
+
+
+async def test_timeout_aborts_the_engine_request() -> None:
+    bridge = FakeBridge()
+    record = FakeRecord(bridge, credit=0)
+    pump = StreamPump(record, _open())  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump.run)
+        await _settle()
+        bridge.handle.push(_delta(0, [1, 2], "ab"))
+        await _settle()
+        pump.time_out()
+        await record.done.wait()
+    assert bridge.aborted and not bridge.open
+    assert record.ended == ("timeout", Usage(prompt_tokens=2, completion_tokens=0), None)
+
+
+@pytest.mark.parametrize(
+    ("open_", "refuse", "code"),
+    [
+        (_open(model="other"), None, "unknown_model"),
+        (Open(seq=0, stream=1, prompt="x" * 200), None, "context_length_exceeded"),
+        (_open(), EngineError("overloaded", "queue full"), "overloaded"),
+        (_open(params=SamplingOptions(stop=("",))), None, "invalid_request"),
+    ],
+)
+async def test_refusals_end_the_stream_with_its_error(
+    open_: Open, refuse: EngineError | None, code: str
+) -> None:
+    bridge = FakeBridge(refuse)
+    record = FakeRecord(bridge)
+    await StreamPump(record, open_).run()  # type: ignore[arg-type]
+    assert record.accepted is None
+    assert record.ended is not None
+    reason, _, error = record.ended
+    assert reason == "error" and error is not None and error.code == code
+
+
+async def test_engine_failure_becomes_an_error_end() -> None:
+    bridge = FakeBridge()
+    record = FakeRecord(bridge)
+    pump = StreamPump(record, _open())  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump.run)
+        await _settle()
+        bridge.handle.push(_delta(0, [], "", finished=True, finish_reason="error",
+                                  usage=EngineUsage(2, 0), error_code="internal",
+                                  error_message="boom"))
+        await record.done.wait()
+    assert record.ended is not None
+    assert record.ended[0] == "error" and record.ended[2] == StreamError("internal", "boom")
+
+
+def test_sampling_params_take_open_fields_and_engine_defaults() -> None:
+    params = sampling_params(_open(params=SamplingOptions(
+        temperature=0.5, top_p=0.9, top_k=4, seed=7, stop=("x",), ignore_eos=True)), 12)
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
+            params.stop, params.ignore_eos) == (12, 0.5, 0.9, 4, 7, ["x"], True)
+    assert sampling_params(_open(), 5).temperature == 1.0
