@@ -80,10 +80,12 @@ class SessionRecord:
                 while not self.closed:
                     changed = self._changed
                     if self.attached is None:
-                        remaining = self._detached_at + grace - trio.current_time()
-                        with trio.move_on_after(max(remaining, 0.0)):
+                        deadline = self._detached_at + grace
+                        with trio.move_on_at(deadline):
                             await changed.wait()
-                        if self.attached is None and not self.closed:
+                        # woken by any change (a pump ending, say): expire only past the grace
+                        expired = trio.current_time() >= self._detached_at + grace
+                        if self.attached is None and not self.closed and expired:
                             log_event(log, "session_expired", session=self.id,
                                       streams=len(self.pumps))
                             self.closed = True

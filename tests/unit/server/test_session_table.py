@@ -114,3 +114,30 @@ def test_subprotocol_choice() -> None:
     assert choose_subprotocol(["seedance.v1.json"]) == "seedance.v1.json"
     assert choose_subprotocol(["chat", "seedance.v1.msgpack"]) == "seedance.v1.msgpack"
     assert choose_subprotocol(["chat"]) is None
+
+
+class FinishingPump(ForeverPump):
+    """A stream that ends on its own after a while (its engine request finished)."""
+
+    async def run(self) -> None:
+        try:
+            await trio.sleep(1.0)
+        finally:
+            self.record.pump_done(self.stream)
+
+
+async def test_a_stream_ending_while_detached_does_not_expire_the_session_early(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    table = SessionTable()
+    record = _record(table)
+    connection = FakeConnection()
+    record.attached = connection  # type: ignore[assignment]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(record.run)
+        record.start_stream(FinishingPump, Open(seq=0, stream=1, prompt="x"))  # type: ignore[arg-type]
+        record.detach(connection)  # type: ignore[arg-type]
+        await trio.sleep(2.0)  # the stream has ended meanwhile, waking the session
+        assert 1 not in record.pumps
+        assert table.resumable("sid", trio.current_time()) is record and not record.closed
+        record.close()
