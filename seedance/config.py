@@ -143,7 +143,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--kv-cache-gb", "engine.kv_cache_gb", "KV cache size in GiB on CPU (default 1).", float),
     Flag("--gpu-memory-utilization", "engine.gpu_memory_utilization", "Fraction of GPU memory for weights + KV cache on CUDA (default 0.9).", float),
     Flag("--enable-prefix-caching", "engine.enable_prefix_caching", "Reuse KV blocks of shared prompt prefixes across requests (default true).", kind="bool"),
-    Flag("--batch-window", "engine.batch_window", "Sequences per step: adaptive to arrival rate and queue, or static at --max-batch-size (default adaptive).", choices=_choices(BatchWindow)),
+    Flag("--batch-window", "engine.batch_window", "Sequences per step: static at --max-batch-size (default), or adaptive to the arrival rate and queue (the seed's window; raises time to first token on slow engines, see docs/engine.md).", choices=_choices(BatchWindow)),
     Flag("--enforce-eager", "engine.enforce_eager", "Disable CUDA graphs for decode steps.", kind="switch"),
     Flag("--no-torch-compile-fallback", "engine.no_torch_compile_fallback", "Never fall back to torch.compile at run time (accepted for compatibility; seedance compiles nothing lazily, so first requests see no compile stall).", kind="switch"),
     Flag("--trace-output", "engine.trace_output", "Write a Chrome trace-event JSON (opens in Perfetto) of every step and token to this file."),

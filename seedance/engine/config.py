@@ -50,7 +50,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     gpu_memory_utilization: float = 0.90
     """Fraction of the GPU's memory the engine may use (weights + KV cache) on CUDA."""
     enable_prefix_caching: bool = True
-    batch_window: BatchWindow = "adaptive"
+    batch_window: BatchWindow = "static"
+    """`static`: up to max_batch_size sequences per step. `adaptive`: the seed's window that
+    narrows under sparse traffic (lower time per token, much higher time to first token on a
+    slow engine; see docs/engine.md), so it is opt-in."""
     enforce_eager: bool = False
     """Turn off CUDA graphs."""
     no_torch_compile_fallback: bool = False
