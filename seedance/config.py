@@ -145,6 +145,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--enable-prefix-caching", "engine.enable_prefix_caching", "Reuse KV blocks of shared prompt prefixes across requests (default true).", kind="bool"),
     Flag("--batch-window", "engine.batch_window", "Sequences per step: static at --max-batch-size (default), or adaptive to the arrival rate and queue (the seed's window; raises time to first token on slow engines, see docs/engine.md).", choices=_choices(BatchWindow)),
     Flag("--enforce-eager", "engine.enforce_eager", "Disable CUDA graphs for decode steps.", kind="switch"),
+    Flag("--overlap", "engine.overlap", "Overlap scheduling/detokenizing with the GPU's compute, reading tokens one step late (default: on for CUDA, off on CPU).", kind="bool"),
     Flag("--no-torch-compile-fallback", "engine.no_torch_compile_fallback", "Never fall back to torch.compile at run time (accepted for compatibility; seedance compiles nothing lazily, so first requests see no compile stall).", kind="switch"),
     Flag("--trace-output", "engine.trace_output", "Write a Chrome trace-event JSON (opens in Perfetto) of every step and token to this file."),
     Flag("--seed", "engine.seed", "Seed for requests that give none (default 0).", int),

@@ -14,7 +14,9 @@ causal attention (4 * head_dim flops per visible query-key pair per head) vs SDP
 is_causal (a prefix + new tokens case uses SDPA's lower-right causal bias). End to end: one
 decode step (forward, logits, argmax) of the engine's own model code with random weights, eager
 and as a CUDA graph; the roofline is the bytes of the weights read per step (all but the
-embedding table) over the peak bandwidth. Times are medians of `triton.testing.do_bench` on
+embedding table) over the peak bandwidth. Engine loop: the whole engine (`LLM.generate`,
+scheduling, inputs, sampling, detokenizing) decoding with a ~0.3B Llama-shaped random-weight
+checkpoint, output tokens/s with overlap on/off x CUDA graphs on/off. Times are medians of `triton.testing.do_bench` on
 CUDA (L2 flushed between runs), wall-clock medians on the CPU.
 """
 
@@ -649,6 +651,124 @@ def bench_e2e(setup: Setup) -> list[E2ERow]:
     return rows
 
 
+# ---- the engine loop: overlap and CUDA graphs ---------------------------------------------------
+
+ENGINE_MODEL = dict(
+    hidden_size=1024,
+    num_layers=16,
+    num_heads=16,
+    num_kv_heads=8,
+    intermediate_size=4096,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)
+"""~0.3B parameters: small enough that per-step CPU and launch overheads show."""
+ENGINE_SMOKE_MODEL = dict(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    vocab_size=6144,
+    max_position_embeddings=1024,
+)
+
+
+@dataclass
+class EngineRow:
+    batch: int
+    tok_s: dict[tuple[bool, bool], float] = field(default_factory=dict)
+    """(overlap, graphs) -> output tokens per second."""
+
+
+def bench_engine_loop(setup: Setup) -> list[EngineRow]:
+    """Output tokens/s of `LLM.generate` for batches of greedy requests (64-token prompts,
+    `new` tokens each, eos ignored) with overlap on/off and CUDA graphs on/off (graphs only on
+    CUDA). Each engine is built once, warmed up, then timed per batch size."""
+    import gc
+    import tempfile
+
+    from seedance.engine.llm import LLM
+    from seedance.engine.sampling_params import SamplingParams
+    from seedance.testing.hf_models import build_model
+
+    cuda = setup.device.type == "cuda"
+    batches = [1, 16, 64] if cuda else [1, 4]
+    new = 128 if cuda else 8
+    rows = [EngineRow(b) for b in batches]
+    tiny = Path(__file__).resolve().parents[1] / "seedance/assets/seedance-tiny"
+    configs = [(o, g) for g in ((False, True) if cuda else (False,)) for o in (False, True)]
+    gen = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        path = build_model(
+            tmp,
+            "llama",
+            **(ENGINE_MODEL if cuda else ENGINE_SMOKE_MODEL),
+            initializer_range=0.02,
+            dtype="bfloat16" if cuda else "float32",
+            tokenizer_dir=tiny,
+        )
+        print(f"\n(engine-loop model written in {time.perf_counter() - start:.1f} s)")
+        for overlap, graphs in configs:
+            kwargs: dict[str, object] = dict(
+                device=setup.device.type,
+                dtype="bfloat16" if cuda else "float32",
+                max_batch_size=max(batches),
+                max_num_batched_tokens=4096,
+                overlap=overlap,
+                enforce_eager=not graphs,
+            )
+            if cuda:
+                kwargs["gpu_memory_utilization"] = 0.3
+            else:
+                kwargs["kv_cache_gb"] = 0.05
+            llm = LLM(str(path), **kwargs)  # type: ignore[arg-type]
+            warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            llm.generate([[5] * 64 for _ in range(max(batches))], warm)
+            for row in rows:
+                prompts = [
+                    torch.randint(10, 6000, (64,), generator=gen).tolist() for _ in range(row.batch)
+                ]
+                params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                elapsed = time.perf_counter() - t0
+                row.tok_s[(overlap, graphs)] = sum(len(o.token_ids) for o in outs) / elapsed
+            llm.close()
+            del llm
+            gc.collect()
+            free_memory(setup)
+
+    def ratio(r: EngineRow, a: tuple[bool, bool], b: tuple[bool, bool]) -> str:
+        x, y = r.tok_s.get(a), r.tok_s.get(b)
+        return "n/a" if x is None or y is None else f"{x / y:.2f}x"
+
+    header = ["batch", "eager", "eager+overlap"]
+    if cuda:
+        header += ["graphs", "graphs+overlap", "overlap gain (graphs)", "graphs gain (overlap)"]
+    else:
+        header += ["overlap gain"]
+    table = []
+    for r in rows:
+        cells = [str(r.batch)] + [fmt(r.tok_s.get(c), 0) for c in configs]
+        if cuda:
+            cells += [ratio(r, (True, True), (False, True)), ratio(r, (True, True), (True, False))]
+        else:
+            cells += [ratio(r, (True, False), (False, False))]
+        table.append(cells)
+    label = "~0.3B Llama shapes, bf16" if cuda else "tiny Llama, CPU"
+    print_table(
+        f"Engine loop: output tokens/s of LLM.generate ({label}; 64-token prompts, {new} new "
+        "tokens each, greedy; prefill included)",
+        header,
+        table,
+    )
+    return rows
+
+
 # ---- launch-shape sweep ------------------------------------------------------------------------
 
 DECODE_SWEEP = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 3)]
@@ -840,7 +960,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["decode", "prefill", "e2e", "sweep"],
+        choices=["decode", "prefill", "e2e", "engine", "sweep"],
         action="append",
         help="run only these parts",
     )
@@ -856,11 +976,13 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     print(f"# bench_kernels: {name}; torch {torch.__version__}, triton {triton.__version__}")
-    parts = set(args.only or ["decode", "prefill", "e2e", "sweep"])
+    parts = set(args.only or ["decode", "prefill", "e2e", "engine", "sweep"])
     decode = bench_decode(setup) if "decode" in parts else []
     prefill = bench_prefill(setup) if "prefill" in parts else []
     e2e = bench_e2e(setup) if "e2e" in parts else []
     print_goals(setup, decode, prefill, e2e)
+    if "engine" in parts:
+        bench_engine_loop(setup)
     if "sweep" in parts:  # last: a time limit that cuts it off still leaves the goals printed
         bench_sweep(setup)
     return 0

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of the Triton attention kernels (issue 5), within 8 minutes on one GPU: the `gpu`
-# kernel tests (CUDA at real sizes), then tools/bench_kernels.py (decode bandwidth, prefill
-# TFLOP/s vs SDPA, Llama-3.1-8B-shaped decode step vs the weight-read roofline).
+# kernel and engine tests (CUDA at real sizes, CUDA graphs, overlap), then tools/bench_kernels.py
+# (decode bandwidth, prefill TFLOP/s vs SDPA, Llama-3.1-8B-shaped decode step vs the weight-read
+# roofline), then its engine-loop part (tokens/s with overlap on/off x CUDA graphs on/off).
 #
 # Expects, already installed for $PYTHON (default python3; 3.11+): torch with CUDA (2.11 on the
 # GPU machine), triton (3.6 there), pytest; hypothesis if present (the root conftest imports it;
@@ -20,8 +21,10 @@ cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
-TEST_TIMEOUT_S=200
-BENCH_TIMEOUT_S=260
+TEST_TIMEOUT_S=150
+ENGINE_TEST_TIMEOUT_S=60
+BENCH_TIMEOUT_S=190
+ENGINE_BENCH_TIMEOUT_S=60
 
 out() {
   if [[ -n "${OUT:-}" ]]; then tee -a "$OUT/gpu_check.log"; else cat; fi
@@ -66,11 +69,29 @@ step gpu-tests timeout "$TEST_TIMEOUT_S" "$PYTHON" -m pytest -m gpu -p no:cachep
   tests/unit/kernels/test_triton_backend.py
 tests_rc=$?
 
+# the engine's CUDA tests and benchmark need the engine's own dependencies
+engine_ok=0
+if "$PYTHON" -c "import transformers, tokenizers, safetensors, msgspec" 2>/dev/null; then
+  engine_ok=1
+  step engine-gpu-tests timeout "$ENGINE_TEST_TIMEOUT_S" "$PYTHON" -m pytest -m gpu \
+    -p no:cacheprovider -q -rs tests/unit/engine/test_cuda_graphs.py
+  [[ $? -eq 0 ]] || tests_rc=1
+else
+  echo "== engine tests and engine benchmark skipped: transformers/tokenizers/safetensors/msgspec missing" | out
+fi
+
 bench_args=()
 [[ -n "${PEAK_TBPS:-}" ]] && bench_args+=(--peak-tbps "$PEAK_TBPS")
 [[ -n "${SMOKE:-}" ]] && bench_args+=(--smoke)
-step benchmark timeout "$BENCH_TIMEOUT_S" "$PYTHON" tools/bench_kernels.py "${bench_args[@]}"
+step benchmark timeout "$BENCH_TIMEOUT_S" "$PYTHON" tools/bench_kernels.py "${bench_args[@]}" \
+  --only decode --only prefill --only e2e --only sweep
 bench_rc=$?
+engine_rc=0
+if [[ $engine_ok -eq 1 ]]; then
+  step engine-benchmark timeout "$ENGINE_BENCH_TIMEOUT_S" "$PYTHON" tools/bench_kernels.py \
+    "${bench_args[@]}" --only engine
+  engine_rc=$?
+fi
 
-echo "== gpu_check: tests exit $tests_rc, benchmark exit $bench_rc" | out
-[[ $tests_rc -eq 0 && $bench_rc -eq 0 ]]
+echo "== gpu_check: tests exit $tests_rc, benchmark exit $bench_rc, engine benchmark exit $engine_rc" | out
+[[ $tests_rc -eq 0 && $bench_rc -eq 0 && $engine_rc -eq 0 ]]

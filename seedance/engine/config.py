@@ -56,6 +56,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     slow engine; see docs/engine.md), so it is opt-in."""
     enforce_eager: bool = False
     """Turn off CUDA graphs."""
+    overlap: bool | None = None
+    """Overlap the CPU's scheduling and emitting with the device's compute (tokens are read back
+    one step late); None means on for CUDA, off on the CPU."""
     no_torch_compile_fallback: bool = False
     """Never fall back to torch.compile'd paths at run time (accepted; seedance compiles nothing lazily)."""
     trace_output: str | None = None

@@ -1,8 +1,12 @@
 """The engine's step loop, single-threaded: requests in, one `StepOutput` per step out.
 
-Each step runs three stages kept apart so that a device backend can overlap them: `fetch`
-(schedule, prepare the input tensors), `compute` (forward pass, sampling) and `emit` (append
-tokens, detokenize, check stops, free finished requests, build the deltas)."""
+Each step runs three stages: `fetch` (schedule, prepare the input tensors), `compute` (forward
+pass, sampling) and `emit` (append tokens, detokenize, check stops, free finished requests,
+build the deltas). With `overlap` (default on CUDA) they are pipelined: a step fetches and
+launches step N+1 before emitting step N, so the CPU schedules and detokenizes while the device
+computes. Step N's sampled tokens then stay on the device and feed step N+1 as future tokens
+(negative placeholders in the sequences' token lists), and the host reads them only when
+emitting; a sequence that stops on a token has one more token computed, which is discarded."""
 
 from __future__ import annotations
 
@@ -11,13 +15,14 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import torch
+
 from seedance.engine.block_manager import BlockManager
 from seedance.engine.config import EngineConfig
 from seedance.engine.detokenizer import IncrementalDetokenizer
 from seedance.engine.errors import EngineError, invalid
-from seedance.engine.layers.sampler import SamplerOutput
 from seedance.engine.loader import load_model_config, resolve_model_path
-from seedance.engine.model_runner import ModelRunner, PreparedBatch
+from seedance.engine.model_runner import ModelRunner, PreparedBatch, SampledTokens, needs_history
 from seedance.engine.outputs import EngineStats, FinishReason, RequestDelta, StepOutput, Usage
 from seedance.engine.sampling_params import SamplingParams
 from seedance.engine.scheduler import Scheduler, SchedulerOutput
@@ -39,6 +44,8 @@ class StepWork:
     timings: dict[str, float] = field(default_factory=dict)
     start: float = 0.0
     dispatch_time: float = 0.0
+    token_positions: list[int] = field(default_factory=list)
+    """Overlap: index in each sampling sequence's `token_ids` of its placeholder token."""
 
 
 class LLMEngine:
@@ -77,6 +84,11 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self._pending: list[RequestDelta] = []
         """Final deltas of aborted requests, delivered with the next step."""
+        self.overlap = (
+            self.runner.device.type == "cuda" if config.overlap is None else config.overlap
+        )
+        self._inflight: tuple[StepWork, SampledTokens | None] | None = None
+        """Overlap: the launched step whose tokens are not emitted yet."""
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -157,6 +169,7 @@ class LLMEngine:
         if seq is None:
             return
         self.scheduler.remove(seq)
+        del seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens :]  # unread placeholders
         delta = self._final_delta(seq, "cancelled", [], "")
         if notify:
             self._pending.append(delta)
@@ -172,18 +185,99 @@ class LLMEngine:
             self.scheduler.resume(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending)
+        return bool(self.requests) or bool(self._pending) or self._inflight is not None
 
     def has_runnable_requests(self) -> bool:
-        """True when a step can make progress (something waits or runs, or deltas are due)."""
-        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+        """True when a step can make progress (something waits or runs, deltas are due, or a
+        launched step awaits its emit)."""
+        return bool(
+            self.scheduler.waiting
+            or self.scheduler.running
+            or self._pending
+            or self._inflight is not None
+        )
 
     # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> StepOutput:
+        if self.overlap:
+            return self.step_overlapped()
         work = self.fetch()
         sampled = self.compute(work)
         return self.emit(work, sampled)
+
+    def step_overlapped(self) -> StepOutput:
+        """Fetch and launch step N+1, then emit step N (reading its tokens is the step's one
+        host sync; on CUDA the device is busy with step N+1 meanwhile)."""
+        work = self.fetch()
+        sampled = self.launch(work)
+        previous = self._inflight
+        self._inflight = (work, sampled) if work.prepared is not None else None
+        if previous is None:
+            deltas, self._pending = self._pending, []
+            return StepOutput(step=work.step, deltas=deltas, timestamp=time.monotonic())
+        return self.emit_launched(*previous)
+
+    def launch(self, work: StepWork) -> SampledTokens | None:
+        """Overlap's compute stage: forward and sample with the previous step's tokens still
+        on the device, advance the sequences and append a placeholder for each token sampled.
+        A sequence whose new token ends it by length leaves the running set now (it keeps its
+        blocks until its emit), so it is never scheduled again."""
+        prepared = work.prepared
+        if prepared is None:
+            return None
+        previous = self._inflight
+        if previous is not None and any(needs_history(s) for s in prepared.sampling_seqs):
+            self._resolve(*previous)  # penalties read the previous token on the host
+        sampled = self.compute(
+            work, None if previous is None or previous[1] is None else previous[1].device_ids
+        )
+        for seq, n in zip(work.batch.seqs, work.batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        if sampled is None:
+            return None
+        for i, seq in enumerate(prepared.sampling_seqs):
+            work.token_positions.append(len(seq.token_ids))
+            seq.token_ids.append(-(i + 1))
+            if self._ends_by_length(seq, len(seq.token_ids) - 1):
+                self.scheduler.running.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+        return sampled
+
+    def _resolve(self, work: StepWork, sampled: SampledTokens | None) -> None:
+        """Write a launched step's sampled tokens over their placeholders."""
+        if sampled is None or work.prepared is None:
+            return
+        tokens = sampled.token_ids()
+        for i, (seq, pos) in enumerate(
+            zip(work.prepared.sampling_seqs, work.token_positions, strict=True)
+        ):
+            if self.requests.get(seq.request_id) is seq:
+                seq.token_ids[pos] = tokens[i]
+
+    def emit_launched(self, work: StepWork, sampled: SampledTokens | None) -> StepOutput:
+        """Overlap's emit stage for a launched step: read its tokens, then as `emit`. Rows of
+        sequences that finished or were aborted since the launch are discarded."""
+        t0 = time.monotonic()
+        deltas, self._pending = self._pending, []
+        self._resolve(work, sampled)
+        for seq in work.batch.seqs:
+            if self.requests.get(seq.request_id) is seq:
+                self.block_manager.commit(seq)
+        indices: list[int] = []
+        if sampled is not None and work.prepared is not None:
+            tokens = sampled.token_ids()
+            rows = zip(work.prepared.sampling_seqs, work.token_positions, strict=True)
+            for i, (seq, pos) in enumerate(rows):
+                if self.requests.get(seq.request_id) is not seq:
+                    continue
+                indices.append(i)
+                deltas.append(self._accept_token(seq, pos, tokens[i], sampled.logprobs[i], t0))
+        now = time.monotonic()
+        work.timings["detokenize"] = now - t0
+        if self.tracer is not None and work.prepared is not None:
+            self._trace(work, sampled, indices)
+        return StepOutput(step=work.step, deltas=deltas, timestamp=now)
 
     def fetch(self) -> StepWork:
         """Stage 1: schedule the batch and build its input tensors."""
@@ -206,13 +300,13 @@ class LLMEngine:
         work.timings["prepare"] = time.monotonic() - t1
         return work
 
-    def compute(self, work: StepWork) -> SamplerOutput | None:
-        """Stage 2: the forward pass and sampling."""
+    def compute(self, work: StepWork, previous: torch.Tensor | None = None) -> SampledTokens | None:
+        """Stage 2: the forward pass and sampling (`previous`: the ids future tokens read)."""
         prepared = work.prepared
         if prepared is None:
             return None
         t0 = work.dispatch_time = time.monotonic()
-        logits = self.runner.forward(prepared)
+        logits = self.runner.forward(prepared, previous)
         t1 = time.monotonic()
         work.timings["forward"] = t1 - t0
         if logits is None:
@@ -222,28 +316,46 @@ class LLMEngine:
         work.timings["sample"] = time.monotonic() - t1
         return out
 
-    def emit(self, work: StepWork, sampled: SamplerOutput | None) -> StepOutput:
+    def emit(self, work: StepWork, sampled: SampledTokens | None) -> StepOutput:
         """Stage 3: advance the sequences, detokenize, finish, and build the step's deltas."""
         t0 = time.monotonic()
         deltas, self._pending = self._pending, []
         for seq, n in zip(work.batch.seqs, work.batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
+        indices: list[int] = []
         if sampled is not None and work.prepared is not None:
+            tokens = sampled.token_ids()
             for i, seq in enumerate(work.prepared.sampling_seqs):
+                indices.append(i)
+                seq.token_ids.append(tokens[i])
                 deltas.append(
-                    self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i], t0)
+                    self._accept_token(
+                        seq, len(seq.token_ids) - 1, tokens[i], sampled.logprobs[i], t0
+                    )
                 )
         now = time.monotonic()
         work.timings["detokenize"] = now - t0
         if self.tracer is not None and work.prepared is not None:
-            self._trace(work, sampled)
+            self._trace(work, sampled, indices)
         return StepOutput(step=work.step, deltas=deltas, timestamp=now)
 
-    def _append_token(
-        self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float
+    def _ends_by_length(self, seq: Sequence, pos: int) -> bool:
+        """Whether the output token at index `pos` of `seq.token_ids` is its last by length."""
+        return pos + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or (
+            pos + 1 >= self.max_model_len
+        )
+
+    def _accept_token(
+        self,
+        seq: Sequence,
+        pos: int,
+        token: int,
+        logprobs: dict[int, float] | None,
+        now: float,
     ) -> RequestDelta:
-        seq.token_ids.append(token)
+        """Process the new token `token`, already at `seq.token_ids[pos]`: detokenize, check
+        the stop conditions, finish the sequence or build its delta."""
         self.generation_tokens_total += 1
         first = seq.first_token_time is None
         if first:
@@ -255,7 +367,7 @@ class LLMEngine:
         reason: FinishReason | None = None
         if token in seq.stop_token_ids or stopped:
             reason = "stop"
-        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif self._ends_by_length(seq, pos):
             reason = "length"
         queue_time = None
         if first and seq.first_scheduled_time is not None:
@@ -263,6 +375,7 @@ class LLMEngine:
         if reason is not None:
             if not stopped:
                 text += seq.detokenizer.flush()
+            del seq.token_ids[pos + 1 :]  # overlap: the placeholder of a discarded token
             self.scheduler.remove(seq)
             self.requests.pop(seq.request_id, None)
             return self._final_delta(seq, reason, [token], text, logprobs, first, queue_time)
@@ -315,13 +428,16 @@ class LLMEngine:
     def fail_all(self, error: EngineError) -> StepOutput:
         """End every request with `error` (after an internal failure), freeing everything."""
         deltas, self._pending = self._pending, []
+        self._inflight = None
         for seq in list(self.requests.values()):
             self.scheduler.remove(seq)
+            del seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens :]
             deltas.append(self._final_delta(seq, "error", [], "", error=error))
         self.requests.clear()
         return StepOutput(step=self.step_count, deltas=deltas, timestamp=time.monotonic())
 
     def abort_all(self) -> StepOutput:
+        self._inflight = None
         for request_id in list(self.requests):
             self.abort_request(request_id)
         deltas, self._pending = self._pending, []
@@ -336,19 +452,24 @@ class LLMEngine:
                 oldest = max(oldest, now - seq.arrival_time)
         self.backlog.observe(oldest)
 
-    def _trace(self, work: StepWork, sampled: SamplerOutput | None) -> None:
+    def _trace(self, work: StepWork, sampled: SampledTokens | None, indices: list[int]) -> None:
+        """Trace the step and its emitted tokens (rows `indices` of the sampled batch)."""
         assert self.tracer is not None and work.prepared is not None
         self.tracer.step(
             work.step, work.start, work.timings, len(work.batch.seqs), work.batch.num_tokens
         )
         if sampled is None:
             return
-        for i, seq in enumerate(work.prepared.sampling_seqs):
+        tokens = sampled.token_ids()
+        for i in indices:
+            seq = work.prepared.sampling_seqs[i]
+            pos = work.token_positions[i] if work.token_positions else None
+            index = seq.num_output_tokens if pos is None else pos + 1 - seq.num_prompt_tokens
             self.tracer.token(
                 seq.request_id,
                 work.dispatch_time,
-                seq.num_output_tokens - 1,
-                sampled.token_ids[i],
+                index - 1,
+                tokens[i],
                 work.touched_blocks.get(seq.request_id, []),
                 work.step,
                 work.timings,
