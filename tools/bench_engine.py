@@ -16,6 +16,7 @@ a machine shared with other busy processes the latter is the steadier comparison
 sets the same torch thread count for every part. Prints a table with ratios.
 
     python tools/bench_engine.py [--requests 32] [--hidden 512] [--layers 8] [--vocab 32000]
+    python tools/bench_engine.py --parts seedance --requests 16 --profile   # where the time goes
 """
 
 from __future__ import annotations
@@ -95,7 +96,15 @@ def part_seedance(args: argparse.Namespace, model: Path) -> dict[str, float]:
     llm.generate([[5] * 40], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in reqs]
     t0, c0 = time.perf_counter(), cpu_s()
-    outs = llm.generate([p for p, _ in reqs], params)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            outs = llm.generate([p for p, _ in reqs], params)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        print(table, file=sys.stderr)
+    else:
+        outs = llm.generate([p for p, _ in reqs], params)
     wall, cpu = time.perf_counter() - t0, cpu_s() - c0
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == sum(o for _, o in reqs)
@@ -297,6 +306,8 @@ def run_part(name: str, argv: list[str]) -> dict[str, float]:
     )
     if out.returncode != 0:
         raise SystemExit(f"part {name} failed:\n{out.stderr[-3000:]}")
+    if "--profile" in argv:
+        print(out.stderr, file=sys.stderr)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -319,6 +330,12 @@ def main() -> None:
         help="torch intra-op threads for every part (0: torch's default)",
     )
     ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the seedance part under torch.profiler and print its top ops to stderr "
+        "(slows it down; use with --parts seedance)",
+    )
     ap.add_argument("--part", help=argparse.SUPPRESS)
     args = ap.parse_args()
     model = build(args)
@@ -330,8 +347,12 @@ def main() -> None:
         print(json.dumps(PARTS[args.part](args, model)))
         return
     argv = [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("parts", "part")
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(args).items()
+        if k not in ("parts", "part", "profile")
     ]
+    if args.profile:
+        argv.append("--profile")
     import torch
 
     threads = args.threads or torch.get_num_threads()

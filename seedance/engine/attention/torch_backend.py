@@ -1,17 +1,17 @@
 """The portable attention backend: paged-cache store and attention in plain PyTorch.
 
 Decode rows (one new token per sequence) are computed for the whole batch at once and without
-copying the cache: for each KV head, one batched matmul multiplies every cache block in use by
-the query of the sequence that owns it (Q·Kᵀ), the scores are gathered per sequence for a
-masked softmax, and a second batched matmul weights each block's values (P·V) before the
-per-block partial outputs are summed per sequence. Blocks shared by several sequences of the
-step (a common prefix) are handled for the extra sequences by an explicit gather. Prefill
-chunks (few per step, many tokens each) run one masked SDPA per sequence."""
+copying the cache, as split-K attention with one split per cache block: the blocks in use are
+read in place over a few contiguous ranges of block ids, each block attends its owner's query
+(the query heads of a KV head are the query rows of one problem) through ATen's CPU flash
+kernel, which returns the block's normalised output and log-sum-exp, and the blocks of a
+sequence are merged with weights `exp(lse_b - max lse)`. Blocks shared by several sequences of
+the step (a common prefix) are gathered for the extra sequences. Prefill chunks (few per step,
+many tokens each) run one masked SDPA per sequence (4-D inputs: ATen's CPU flash kernel)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -64,17 +64,32 @@ class _DecodeLayout:
         def t(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        owner = [self.num_seqs] * self.n_range  # row num_seqs is a zero query
-        for b, s in zip(prim_b, prim_s, strict=True):
+        owner = [self.num_seqs] * self.n_range  # row num_seqs collects the unused blocks
+        valid = [bs] * self.n_range  # unused blocks: unmasked, their output is discarded
+        for b, p, s in zip(prim_b, prim_pair, prim_s, strict=True):
             owner[virtual[b]] = s
+            valid[virtual[b]] = min(bs, lens[s] - (p % self.max_blocks) * bs)
         self.owner = t(owner)
-        self.prim_v = t([virtual[b] for b in prim_b])
-        self.prim_pair, self.prim_s = t(prim_pair), t(prim_s)
+        self.mask = _tail_mask(valid, bs, device)
         self.has_dups = bool(dup_b)
-        self.dup_b, self.dup_pair, self.dup_s = t(dup_b), t(dup_pair), t(dup_s)
-        pos = torch.arange(self.max_blocks * bs, device=device)
-        self.invalid = pos.unsqueeze(0) >= t(lens).unsqueeze(1)  # (S, max_blocks * bs)
+        self.dup_b, self.dup_s = t(dup_b), t(dup_s)
+        self.dup_mask = _tail_mask(
+            [
+                min(bs, lens[s] - (p % self.max_blocks) * bs)
+                for p, s in zip(dup_pair, dup_s, strict=True)
+            ],
+            bs,
+            device,
+        )
         self.token_index = t([starts[r] for r in rows])
+
+
+def _tail_mask(valid: list[int], bs: int, device: torch.device) -> torch.Tensor:
+    """Additive mask `(n, 1, 1, bs)`: 0 for the first `valid[i]` slots of block i, -inf after."""
+    pos = torch.arange(bs, device=device)
+    lens = torch.tensor(valid, dtype=torch.long, device=device)
+    mask = torch.zeros(len(valid), bs, device=device)
+    return mask.masked_fill_(pos.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))[:, None, None]
 
 
 MAX_SEGMENTS = 4
@@ -147,6 +162,11 @@ class TorchBackend:
         slot_mapping: torch.Tensor,
     ) -> None:
         nb, bs, h, d = k_cache.shape
+        # padding rows (slot < 0, as in a batch padded to a CUDA-graph size) store nothing,
+        # as in the Triton kv_store kernel
+        if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+            keep = slot_mapping >= 0
+            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
         k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
         v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
@@ -189,24 +209,21 @@ def _prefill(
 ) -> torch.Tensor:
     """Causal attention of one sequence's chunk `q` (q_len, H, D) over its first s_len cached
     tokens."""
-    q_len, num_heads, head_dim = q.shape
-    kvh = k_cache.shape[2]
-    group = num_heads // kvh
+    group = q.shape[1] // k_cache.shape[2]
     k = k_cache[blocks].flatten(0, 1)[:s_len].to(q.dtype)  # (s_len, KVH, D)
     v = v_cache[blocks].flatten(0, 1)[:s_len].to(q.dtype)
-    # fold the query heads of a KV head into the query axis: (KVH, q_len*group, D)
-    qg = (
-        q.view(q_len, kvh, group, head_dim)
-        .permute(1, 0, 2, 3)
-        .reshape(kvh, q_len * group, head_dim)
-    )
-    m = mask.repeat_interleave(group, dim=0) if group > 1 else mask
+    if group > 1:  # grouped-query heads: each query head reads its KV head
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    # 4-D (1, H, L, D) inputs reach ATen's CPU flash kernel (3-D ones fall back to the math path)
     o = F.scaled_dot_product_attention(
-        qg, k.transpose(0, 1), v.transpose(0, 1), attn_mask=m, scale=scale
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
     )
-    return (
-        o.view(kvh, q_len, group, head_dim).permute(1, 0, 2, 3).reshape(q_len, num_heads, head_dim)
-    )
+    return o[0].transpose(0, 1)
 
 
 def _paged_decode(
@@ -218,53 +235,63 @@ def _paged_decode(
 ) -> torch.Tensor:
     """One new token for each of S sequences, reading the cache in place (see module doc)."""
     s, num_heads, head_dim = query.shape
-    _, bs, kvh, _ = k_cache.shape
+    kvh = k_cache.shape[2]
     g = num_heads // kvh
-    n, nb = lay.n_range, lay.max_blocks
     cdt = k_cache.dtype
-    q = (query.to(cdt) * scale).view(s, kvh, g, head_dim)
+    # the g query heads of a KV head are the query rows of one attention problem per block
+    q = query.to(cdt).view(s, kvh, g, head_dim)
     q_owner = torch.cat([q, q.new_zeros(1, kvh, g, head_dim)]).index_select(0, lay.owner)
-    segs = lay.segments
-
-    def per_segment(
-        op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        rows: torch.Tensor,
-        cache: torch.Tensor,
-        h: int,
-    ) -> torch.Tensor:
-        """`op` of each segment's rows against its blocks' head-h cache view (no copy)."""
-        parts = [op(rows[off : off + hi - lo, h], cache[lo:hi, :, h, :]) for lo, hi, off in segs]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def qk(rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(rows, k.transpose(1, 2))
-
-    # scores of every block in the segments against its owner's query: (n, KVH, g, bs)
-    scores_pool = torch.stack(
-        [per_segment(qk, q_owner, k_cache, h) for h in range(kvh)], dim=1
-    ).float()
-    pair = scores_pool.new_full((s * nb, kvh, g, bs), float("-inf"))
-    pair[lay.prim_pair] = scores_pool.index_select(0, lay.prim_v)
-    if lay.has_dups:
-        kd = k_cache[lay.dup_b]  # (m, bs, KVH, D)
-        pair[lay.dup_pair] = torch.einsum(
-            "mhgd,mthd->mhgt", q.index_select(0, lay.dup_s), kd
-        ).float()
-    scores = pair.view(s, nb, kvh, g, bs).permute(0, 2, 3, 1, 4).reshape(s, kvh, g, nb * bs)
-    probs = torch.softmax(scores.masked_fill(lay.invalid[:, None, None, :], float("-inf")), dim=-1)
-    p_pair = (
-        probs.view(s, kvh, g, nb, bs).permute(0, 3, 1, 2, 4).reshape(s * nb, kvh, g, bs).to(cdt)
-    )
-    p_pool = p_pair.new_zeros(n, kvh, g, bs)
-    p_pool[lay.prim_v] = p_pair.index_select(0, lay.prim_pair)
-    out_pool = torch.stack(
-        [per_segment(torch.bmm, p_pool, v_cache, h) for h in range(kvh)], dim=1
-    )  # (n, KVH, g, D)
-    out = out_pool.new_zeros(s, kvh, g, head_dim)
-    out.index_add_(0, lay.prim_s, out_pool.index_select(0, lay.prim_v))
-    if lay.has_dups:
-        vd = v_cache[lay.dup_b]
-        out.index_add_(
-            0, lay.dup_s, torch.einsum("mhgt,mthd->mhgd", p_pair.index_select(0, lay.dup_pair), vd)
+    outs, lses = [], []
+    for lo, hi, off in lay.segments:
+        o, lse = _block_attention(
+            q_owner[off : off + hi - lo],
+            k_cache[lo:hi],
+            v_cache[lo:hi],
+            lay.mask[off : off + hi - lo],
+            scale,
         )
-    return out.view(s, num_heads, head_dim).to(query.dtype)
+        outs.append(o)
+        lses.append(lse)
+    owner = lay.owner
+    if lay.has_dups:
+        o, lse = _block_attention(
+            q.index_select(0, lay.dup_s),
+            k_cache[lay.dup_b],
+            v_cache[lay.dup_b],
+            lay.dup_mask,
+            scale,
+        )
+        outs.append(o)
+        lses.append(lse)
+        owner = torch.cat([owner, lay.dup_s])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (n, KVH, g, D), normalised per block
+    lse = (lses[0] if len(lses) == 1 else torch.cat(lses)).float()  # (n, KVH, g)
+    # merge the blocks of each sequence: weights exp(lse_b - max_b lse_b), normalised
+    idx = owner.view(-1, 1, 1).expand_as(lse)
+    top = lse.new_full((s + 1, kvh, g), float("-inf")).scatter_reduce_(0, idx, lse, "amax")
+    w = torch.exp(lse - top.index_select(0, owner))
+    num = w.new_zeros(s + 1, kvh, g, head_dim).index_add_(0, owner, out.float() * w.unsqueeze(-1))
+    den = w.new_zeros(s + 1, kvh, g).index_add_(0, owner, w)
+    return (num[:s] / den[:s].unsqueeze(-1)).view(s, num_heads, head_dim).to(query.dtype)
+
+
+def _block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `q` `(n, KVH, g, D)` over the `(n, bs, KVH, D)` blocks `k`/`v` (strided
+    views are fine), one block per row: the block-normalised output `(n, KVH, g, D)` and its
+    natural-log sum-exp `(n, KVH, g)`."""
+    mask = mask.to(q.dtype)
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        out, lse = _FLASH_CPU(
+            q, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=mask, scale=scale
+        )
+        return out, lse
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale + mask  # (n, KVH, g, bs)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)), lse
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+"""ATen's CPU flash-attention kernel (reads strided K/V in place, returns the log-sum-exp)."""

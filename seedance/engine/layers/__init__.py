@@ -1,1 +1,1 @@
-"""Building blocks of the models: rotary embeddings, RMSNorm and the sampler."""
+"""Building blocks of the models: projections, rotary embeddings, RMSNorm and the sampler."""

@@ -13,6 +13,7 @@ from torch import nn
 from seedance.engine.attention.backend import AttentionBackend
 from seedance.engine.attention.metadata import AttentionMetadata
 from seedance.engine.errors import EngineError
+from seedance.engine.layers.linear import Linear
 from seedance.engine.layers.norm import RMSNorm
 from seedance.engine.layers.rotary import RotaryEmbedding
 from seedance.engine.loader import ModelConfig
@@ -38,10 +39,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -73,8 +74,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -197,6 +198,12 @@ class LlamaForCausalLM(nn.Module):
             raise EngineError(
                 "unknown_model", f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}"
             )
+        self.pack_linear_weights()
+
+    def pack_linear_weights(self) -> int:
+        """Repack every projection's weight for the CPU's oneDNN kernels (a no-op elsewhere);
+        returns how many were packed."""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
 
 
 def _shard_sizes(model: LlamaForCausalLM, fused_name: str) -> tuple[int, ...]:

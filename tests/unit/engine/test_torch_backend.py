@@ -85,3 +85,13 @@ def test_decode_over_scattered_blocks_uses_segments():
     assert _segments([0, 1, 2, 40, 41, 90]) == [(0, 3, 0), (40, 42, 3), (90, 91, 5)]
     assert _segments([5, 7, 9]) == [(5, 10, 0)]  # small gaps are not worth a split
     run([[0, 1], [60], [61, 2], [30, 95]], [8, 3, 7, 6], [1, 1, 1, 1], num_blocks=100)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_decode_without_the_cpu_flash_kernel(monkeypatch, heads, kv_heads):
+    """The portable per-block path (other devices, torch builds without ATen's CPU flash
+    kernel) gives the same result."""
+    import seedance.engine.attention.torch_backend as torch_backend
+
+    monkeypatch.setattr(torch_backend, "_FLASH_CPU", None)
+    run([[3, 7, 8], [3, 7, 11], [3, 4]], [10, 9, 5], [1, 1, 1], heads=heads, kv_heads=kv_heads)
