@@ -53,3 +53,13 @@ def test_python_dash_m_seedance_reports_its_version() -> None:
         [sys.executable, "-m", "seedance", "--version"], capture_output=True, text=True, check=True
     )
     assert done.stdout.startswith("seedance ")
+
+
+def test_readme_flag_table_lists_every_flag() -> None:
+    from pathlib import Path
+
+    from seedance.config import FLAGS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    missing = [flag.name for flag in FLAGS if f"`{flag.name}" not in readme]
+    assert missing == []
