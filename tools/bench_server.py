@@ -53,7 +53,7 @@ def serve_seedance(port: int) -> None:
 
     from seedance.config import build_config
     from seedance.engine.null_engine import NullEngine
-    from seedance.server.main import Server, load_gateways
+    from seedance.server.main import Server, load_gateways, settle_garbage_collector
 
     config = build_config({
         "server": {"port": port, "max_concurrent_requests": BATCH},
@@ -62,6 +62,7 @@ def serve_seedance(port: int) -> None:
     })
     engine = NullEngine(config.engine)
     server = Server(config, engine, gateways=load_gateways())
+    settle_garbage_collector()  # as `seedance serve` does (run_server)
     trio.run(server.run)
 
 
@@ -76,6 +77,7 @@ def serve_fastapi(port: int) -> None:
     from seedance.engine.null_engine import NullEngine
     from seedance.engine.outputs import StepOutput
     from seedance.engine.sampling_params import SamplingParams
+    from seedance.server.main import settle_garbage_collector
 
     config = build_config({"engine": {"model": "null", "max_batch_size": BATCH,
                                       "max_queued_requests": BATCH}})
@@ -135,6 +137,7 @@ def serve_fastapi(port: int) -> None:
     completions.__annotations__.update({"request": Request, "return": StreamingResponse})
     app.post("/v1/completions")(completions)
 
+    settle_garbage_collector()  # the same collector settings as the seedance server
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error")
 
 

@@ -8,6 +8,9 @@ from collections.abc import Callable, Sequence
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 5
 """Prompt tokens decoded with the output so that leading spaces and merges come out right."""
+TRIM_TOKENS = 64
+"""Ids before the decode window are dropped once this many piled up: memory stays bounded on a
+long stream, and the garbage collector does not walk every id ever generated."""
 
 Decode = Callable[[Sequence[int], bool], str]
 """decode(token_ids, skip_special_tokens) -> text"""
@@ -49,6 +52,10 @@ class IncrementalDetokenizer:
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
+            if self._prefix_offset >= TRIM_TOKENS:
+                del self._ids[: self._prefix_offset]
+                self._read_offset -= self._prefix_offset
+                self._prefix_offset = 0
             return full[len(prefix) :]
         return ""
 

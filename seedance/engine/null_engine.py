@@ -9,6 +9,7 @@ KV blocks are simulated (`block_size` tokens each) so that block accounting is o
 
 from __future__ import annotations
 
+import array
 import hashlib
 import heapq
 import itertools
@@ -95,7 +96,9 @@ class _Request:
     submitted_at: float
     offset: int
     detok: IncrementalDetokenizer
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: array.array[int] = field(default_factory=lambda: array.array("q"))
+    """An array, not a list: the collector never walks it, so a long stream's ids do not
+    stretch every full collection (a pause every stream sees as an inter-token gap)."""
     emitted: int = 0
     """Tokens already handed out in a delta."""
     blocks: int = 0
@@ -466,7 +469,7 @@ class NullEngine:
 
     def _delta(self, request: _Request, text: str, now: float) -> RequestDelta:
         start = request.emitted
-        tokens = request.output_ids[start:]
+        tokens = request.output_ids[start:].tolist()
         request.emitted = len(request.output_ids)
         first = request.first_token_time if start == 0 and tokens else None
         queue_time = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from seedance.engine.detokenizer import IncrementalDetokenizer
+from seedance.engine.detokenizer import TRIM_TOKENS, IncrementalDetokenizer
 from seedance.engine.tokenizer import Tokenizer
 
 
@@ -87,3 +87,11 @@ def test_special_tokens_are_skipped_unless_asked(tok):
     assert d.push([eos])[0] == ""
     d2 = IncrementalDetokenizer(tok.decode, [], skip_special_tokens=False)
     assert d2.push([eos])[0] == "<|end_of_text|>"
+
+
+def test_a_long_stream_keeps_only_the_decode_window_of_ids(tok):
+    text = "é€😀 long output, with ünïcödé and a stop that never comes. " * 40
+    pieces, stopped, d = stream(tok, text, stop=["NEVER"])
+    assert not stopped
+    assert "".join(pieces) + d.flush() == text
+    assert len(d._ids) <= TRIM_TOKENS + 8  # ids before the window are dropped as it moves
