@@ -180,3 +180,27 @@ def _randomize_norms(model: Any, seed: int) -> None:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+
+
+def transformers_greedy(
+    model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int
+) -> list[list[int]]:
+    """The reference the engine's parity tests compare against: transformers' greedy
+    `generate()` for each prompt alone, cut after the first eos (kept)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    outs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=eos_token_id,
+                eos_token_id=eos_token_id,
+            )
+        out = ids[0, len(prompt) :].tolist()
+        outs.append(out[: out.index(eos_token_id) + 1] if eos_token_id in out else out)
+    return outs

@@ -5,12 +5,11 @@ force preemption, and each prompt alone."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from seedance.engine.sampling_params import SamplingParams
+from seedance.testing.hf_models import transformers_greedy
 from tests.unit.engine.conftest import kv_gb_for_blocks
 
 MAX_NEW = 10
@@ -27,31 +26,12 @@ def make_prompts(seed: int) -> list[list[int]]:
     return prompts
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    outs = []
-    for p in prompts:
-        with torch.no_grad():
-            ids = model.generate(
-                torch.tensor([p]),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                pad_token_id=EOS,
-                eos_token_id=EOS,
-            )
-        out = ids[0, len(p) :].tolist()
-        outs.append(out[: out.index(EOS) + 1] if EOS in out else out)
-    return outs
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_matches_transformers_batched_chunked_preempted(arch, request, make_llm):
     model_dir = request.getfixturevalue(f"{arch}_dir")
     head_dim = 32 if arch == "qwen3" else 16
     prompts = make_prompts(seed=len(arch))
-    expected = hf_greedy(model_dir, prompts)
+    expected = transformers_greedy(model_dir, prompts, MAX_NEW, EOS)
 
     # 24 blocks of 16 tokens for ~1,300 tokens of demand: preemption is forced.
     llm = make_llm(
@@ -113,7 +93,7 @@ def test_greedy_parity_bigger_models_default_block_size(arch, tmp_path, tokenize
         torch.randint(2, 2048, (n,), generator=gen).tolist() for n in (1, 63, 64, 65, 300, 700)
     ]
     prompts.append([*prompts[5][:640], 1, 2, 3])
-    expected = hf_greedy(model_dir, prompts)
+    expected = transformers_greedy(model_dir, prompts, MAX_NEW, EOS)
     llm = make_llm(model_dir, block_size=64, max_num_batched_tokens=256, kv_cache_gb=0.05)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [o.token_ids for o in outs] == expected

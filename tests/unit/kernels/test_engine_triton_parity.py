@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from seedance import LLM, SamplingParams
-from seedance.testing.hf_models import build_model, train_tokenizer
+from seedance.testing.hf_models import build_model, train_tokenizer, transformers_greedy
 
 MAX_NEW = 8
 EOS = 1
@@ -55,25 +55,6 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-def _hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    outs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            ids = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                pad_token_id=EOS,
-                eos_token_id=EOS,
-            )
-        out = ids[0, len(prompt) :].tolist()
-        outs.append(out[: out.index(EOS) + 1] if EOS in out else out)
-    return outs
-
-
 @pytest.mark.interpret
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_triton_backend_engine_gives_transformers_greedy_tokens(
@@ -81,7 +62,7 @@ def test_triton_backend_engine_gives_transformers_greedy_tokens(
 ) -> None:
     model_dir = model_dirs[arch]
     prompts = _prompts()
-    expected = _hf_greedy(model_dir, prompts)
+    expected = transformers_greedy(model_dir, prompts, MAX_NEW, EOS)
     llm = LLM(
         str(model_dir),
         device="cuda" if torch.cuda.is_available() else "cpu",
