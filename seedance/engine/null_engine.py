@@ -42,6 +42,10 @@ OUTPUT_TEXT = (
     b"continuously, the protocol acknowledges each frame, and the server never buffers without "
     b"bound. Credit pauses a stream; a resumed session loses nothing and repeats nothing. "
 )
+assert OUTPUT_TEXT.isascii()
+_CHAR = [chr(b) for b in range(128)]
+"""The text of each ASCII byte token: the generated text needs no incremental decoding (every
+output token is one whole character) unless a stop string must be matched."""
 
 
 class ByteTokenizer:
@@ -108,6 +112,14 @@ class _Request:
     scheduled_at: float | None = None
     first_token_time: float | None = None
     queue_time_sent: bool = False
+    plain_text: bool = False
+    """No stop strings: each token's text is its character (see _CHAR), so the detokenizer is
+    skipped — the null engine stays cheap next to the server it is measuring."""
+    token_limit: int = 0
+    """Output tokens at which the request ends (`length`): max_tokens or the context's room."""
+    steady: bool = False
+    """Nothing but one plain token per step can happen to it before `token_limit`: no stop
+    string or token, no EOS, no logprobs (see `_step`'s fast path)."""
 
     def sort_key(self) -> tuple[int, float, int]:
         return (
@@ -229,6 +241,14 @@ class NullEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
             ),
+            plain_text=not params.stop,
+            token_limit=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
+        )
+        request.steady = (
+            request.plain_text
+            and not params.stop_token_ids
+            and params.logprobs is None
+            and (self._eos_after is None or params.ignore_eos)
         )
         with self._lock:
             if self._stopping:
@@ -398,18 +418,39 @@ class NullEngine:
         return deltas
 
     def _step(self) -> list[RequestDelta]:
-        """One step: admit waiting requests, give each running one a token."""
+        """One step: admit waiting requests, give each running one a token. A steady request
+        with room in its blocks, past its first token and not at its last, takes the fast path
+        (the same token and delta `_advance` would make, without the general checks)."""
         deltas: list[RequestDelta] = []
         self._admit()
         now = time.monotonic()
+        block_size = self.config.block_size
+        text_len = len(OUTPUT_TEXT)
+        fast = 0
         for request in list(self._running):
             if not request.in_batch:  # preempted earlier in this step
+                continue
+            output_ids = request.output_ids
+            index = len(output_ids)
+            if (
+                request.steady
+                and 0 < index == request.emitted
+                and index + 1 < request.token_limit
+                and len(request.prompt_ids) + index < request.blocks * block_size
+                and request.queue_time_sent
+            ):
+                token = OUTPUT_TEXT[(request.offset + index) % text_len]
+                output_ids.append(token)
+                request.emitted = index + 1
+                deltas.append(RequestDelta(request.request_id, index, [token], _CHAR[token]))
+                fast += 1
                 continue
             if not self._grow(request):
                 continue
             delta = self._advance(request, now)
             if delta is not None:
                 deltas.append(delta)
+        self._generation_tokens += fast
         return deltas
 
     def _admit(self) -> None:
@@ -427,9 +468,11 @@ class NullEngine:
     def _grow(self, request: _Request) -> bool:
         """Make room for one more token; preempt (recompute) the newest running request when
         the simulated KV cache is full. False when `request` itself had to yield."""
-        needed = _blocks_for(
-            len(request.prompt_ids) + len(request.output_ids) + 1, self.config.block_size
-        )
+        block_size = self.config.block_size
+        tokens = len(request.prompt_ids) + len(request.output_ids) + 1
+        if tokens <= request.blocks * block_size:
+            return True
+        needed = _blocks_for(tokens, block_size)
         while needed > request.blocks:
             if self._blocks_free > 0:
                 self._blocks_free -= 1
@@ -455,7 +498,10 @@ class NullEngine:
         if request.first_token_time is None:
             request.first_token_time = now
         finish: FinishReason | None = None
-        text, stopped = request.detok.push([token] if token != EOS_ID else [])
+        if request.plain_text and token != EOS_ID:
+            text, stopped = _CHAR[token], False
+        else:
+            text, stopped = request.detok.push([token] if token != EOS_ID else [])
         if stopped or token == EOS_ID or (params.stop_token_ids and token in params.stop_token_ids):
             finish = "stop"
         elif (
@@ -469,8 +515,11 @@ class NullEngine:
 
     def _delta(self, request: _Request, text: str, now: float) -> RequestDelta:
         start = request.emitted
-        tokens = request.output_ids[start:].tolist()
-        request.emitted = len(request.output_ids)
+        output_ids = request.output_ids
+        tokens = (
+            [output_ids[start]] if start == len(output_ids) - 1 else output_ids[start:].tolist()
+        )
+        request.emitted = len(output_ids)
         first = request.first_token_time if start == 0 and tokens else None
         queue_time = None
         if not request.queue_time_sent and request.scheduled_at is not None:
@@ -481,7 +530,8 @@ class NullEngine:
             index=start,
             token_ids=tokens,
             text=text,
-            logprobs=_logprobs(tokens, request.params.logprobs),
+            logprobs=None if request.params.logprobs is None
+            else _logprobs(tokens, request.params.logprobs),
             first_token_time=first,
             queue_time=queue_time,
         )

@@ -304,3 +304,21 @@ def test_stats_count_prompt_and_generated_tokens(engine: NullEngine, collector: 
     stats = engine.stats()
     assert stats.prompt_tokens_total == 4 and stats.generation_tokens_total == 7
     assert stats.steps >= 7
+
+
+def test_the_steady_fast_path_makes_the_same_deltas_as_the_general_one(
+    engine: NullEngine, collector: Collector
+) -> None:
+    # no stop strings: the fast path (each token's character, no detokenizer); a stop string
+    # that never matches sends the same tokens through the general path and the detokenizer
+    engine.submit("fast", "same", SamplingParams(max_tokens=300, temperature=0))
+    engine.submit("general", "same",
+                  SamplingParams(max_tokens=300, temperature=0, stop="\x00"))
+    fast, general = collector.wait("fast"), collector.wait("general")
+
+    def shape(deltas: list[RequestDelta]) -> list[tuple[int, list[int], str, str | None]]:
+        return [(d.index, d.token_ids, d.text, d.finish_reason) for d in deltas]
+
+    assert shape(fast) == shape(general) and len(fast) == 300
+    assert text_of(fast).encode() == bytes(t for d in fast for t in d.token_ids)
+    assert fast[-1].usage == general[-1].usage
