@@ -3,6 +3,11 @@ ONE call and are fanned out to per-request handles with bounded buffers; a handl
 drain pauses its engine request; admission limits what reaches the engine; leaving a handle's
 context in any way aborts its engine request (no orphans).
 
+A consumer may also register a synchronous `listener` on its handle: after a delivery pass has
+buffered every pending step, each touched handle's listener may take its whole buffer at once
+(`take_batch`) and send it, with no task switch; when it declines (returns False), the waiting
+task is woken as usual. The protocol's stream pumps use it: one frame per stream per pass.
+
 Used by the SSE path (`openai_api`) and the protocol gateways alike:
 
     async with bridge.open_request(token_ids, params, priority=p) as handle:
@@ -13,10 +18,11 @@ Used by the SSE path (`openai_api`) and the protocol gateways alike:
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import trio
@@ -29,7 +35,9 @@ from seedance.server.admission import AdmissionSlots
 from seedance.server.batch_negotiation import Adoption, LoadSnapshot, negotiate
 from seedance.server.metrics import ServerMetrics
 
-MAX_STEPS_IN_FLIGHT = 4
+log = logging.getLogger("seedance.server.bridge")
+
+MAX_STEPS_IN_FLIGHT = 2
 """Engine steps handed to trio but not yet fanned out; the engine thread waits beyond this, so
 the engine never outruns the event loop (end-to-end backpressure starts here). Steps that pile
 up while trio is busy are fanned out together, so a loaded server writes more tokens per
@@ -73,6 +81,14 @@ class RequestHandle:
         self._cancelled = False
         self._delivered_final = False
         self._last_delta_at: float | None = None
+        self._touched = False
+        """Pushed to in the current delivery pass (listed in the bridge's `_touched`)."""
+        self._pass_tokens = 0
+        """Tokens pushed in the current delivery pass."""
+        self.listener: Callable[[], bool] | None = None
+        """The consumer's synchronous fast path, called once per delivery pass that buffered
+        something: True when it took the buffer itself (`take_batch`), False to have the
+        waiting task woken instead. Must not raise."""
 
     # -- consumer side -------------------------------------------------------------------
 
@@ -92,6 +108,12 @@ class RequestHandle:
                 return []
             self._waiter = trio.Event()
             await self._waiter.wait()
+        return self.take_batch()
+
+    def take_batch(self) -> list[RequestDelta]:
+        """Every buffered delta, without waiting (possibly [])."""
+        if not self._buffer:
+            return []
         batch = list(self._buffer)
         self._buffer.clear()
         self._buffered_tokens = 0
@@ -131,28 +153,49 @@ class RequestHandle:
     # -- bridge side ---------------------------------------------------------------------
 
     def _push(self, delta: RequestDelta, now: float) -> None:
-        metrics = self._bridge.metrics
-        if delta.token_ids:
+        n = len(delta.token_ids)
+        if delta.queue_time is not None:
+            self._bridge.metrics.request_queue_time.observe(
+                self.admitted_at - self.arrival + delta.queue_time
+            )
+        if delta.finished:
+            self.final = delta
+            self._bridge.metrics.e2e_request_latency.observe(now - self.arrival)
+        self._buffer.append(delta)
+        self._buffered_tokens += n
+        self._pass_tokens += n
+        if not self._touched:
+            self._touched = True
+            self._bridge._touched.append(self)
+        if self._buffered_tokens >= self._buffer_limit:
+            self._update_engine_pause()
+
+    def _offer(self, now: float) -> None:
+        """End of a delivery pass: observe its latencies (one inter-token observation per pass:
+        the time since the previous pass, per token), then let the listener take the buffer,
+        else wake the consumer."""
+        self._touched = False
+        n = self._pass_tokens
+        if n:
+            metrics = self._bridge.metrics
             if self.num_tokens == 0:
                 metrics.time_to_first_token.observe(now - self.arrival)
             elif self._last_delta_at is not None:
-                metrics.inter_token_latency.observe(
-                    (now - self._last_delta_at) / len(delta.token_ids)
-                )
+                metrics.inter_token_latency.observe((now - self._last_delta_at) / n)
             self._last_delta_at = now
-            self.num_tokens += len(delta.token_ids)
-        if delta.queue_time is not None:
-            metrics.request_queue_time.observe(self.admitted_at - self.arrival + delta.queue_time)
-        if delta.finished:
-            self.final = delta
-            metrics.e2e_request_latency.observe(now - self.arrival)
-        self._buffer.append(delta)
-        self._buffered_tokens += len(delta.token_ids)
+            self.num_tokens += n
+            self._pass_tokens = 0
+        listener = self.listener
+        if listener is not None and self._buffer:
+            try:
+                if listener():
+                    return
+            except Exception:  # a bug in a consumer must not take the event loop down
+                log.exception("listener_failed", extra={"request": self.request_id})
+                self.listener = None
         if self._waiter is not None:
             self._waiter.set()
             self._waiter = None
-        if self._buffered_tokens >= self._buffer_limit:
-            self._update_engine_pause()
 
     def _update_engine_pause(self) -> None:
         if self.final is not None:
@@ -187,6 +230,8 @@ class EngineBridge:
         self._cv = threading.Condition()
         self._pending: list[StepOutput] = []
         """Steps handed over by the engine thread and not yet fanned out (under _cv)."""
+        self._touched: list[RequestHandle] = []
+        """Handles pushed to in the delivery pass under way."""
         self._delivery_scheduled = False
         self._closed = False
         self._step_seconds = 0.0
@@ -333,16 +378,20 @@ class EngineBridge:
             self.close()
 
     def _deliver(self) -> None:
-        """Runs in trio: fan the pending steps' deltas out to their handles, in step order."""
+        """Runs in trio: fan the pending steps' deltas out to their handles, in step order,
+        then offer each touched handle's buffer to its consumer once."""
         with self._cv:
             steps, self._pending = self._pending, []
             self._delivery_scheduled = False
             self._cv.notify()
-        for step in steps:
-            self._fan_out(step)
-
-    def _fan_out(self, step: StepOutput) -> None:
         now = time.monotonic()
+        for step in steps:
+            self._fan_out(step, now)
+        touched, self._touched = self._touched, []
+        for handle in touched:
+            handle._offer(now)
+
+    def _fan_out(self, step: StepOutput, now: float) -> None:
         if self._last_step_at is not None:
             gap = step.timestamp - self._last_step_at
             if 0 <= gap < 1.0:

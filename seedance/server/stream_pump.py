@@ -73,6 +73,10 @@ class StreamPump:
         self._scope = trio.CancelScope()
         self._cancelled = False
         self._timed_out = False
+        self._idle = False
+        """The task waits in `receive_batch` with nothing pending: `_on_ready` may send."""
+        self._failure: Exception | None = None
+        """Raised by the fast path; re-raised by the task (the stream ends `internal`)."""
 
     # -- signals from the connection (trio thread, synchronous) ----------------------------------
 
@@ -152,66 +156,105 @@ class StreamPump:
             except EngineError as exc:
                 return ("error", Usage(prompt_tokens=self.prompt_tokens),
                         StreamError(code=exc.code, message=exc.message))
+        if self._failure is not None:
+            raise self._failure
         usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.sent_tokens)
         if self._timed_out:
             return "timeout", usage, None
         return "cancelled", usage, None
 
     async def _pump(self, handle: RequestHandle) -> Ending:
-        record = self.record
-        trace = record.ctx.trace
         pending: list[int] = []
         texts: list[str] = []
         final: RequestDelta | None = None
-        while True:
-            if pending or texts:
-                self._wakeup = trio.Event()
-                n = self._sendable(len(pending))
-                if n is None:
-                    if self._cancelled:  # the client does not want them any more
-                        pending.clear()
-                        texts.clear()
+        handle.listener = self._on_ready
+        try:
+            while True:
+                if pending or texts:
+                    self._wakeup = trio.Event()
+                    n = self._sendable(len(pending))
+                    if n is None:
+                        if self._cancelled:  # the client does not want them any more
+                            pending.clear()
+                            texts.clear()
+                            continue
+                        if not self.paused:
+                            self.paused = True
+                            handle.pause()
+                        await self._wakeup.wait()
                         continue
-                    if not self.paused:
-                        self.paused = True
-                        handle.pause()
-                    await self._wakeup.wait()
+                    if n == len(pending):
+                        self._send(handle, pending, "".join(texts))
+                        pending = []
+                        texts = []
+                    else:
+                        self._send(handle, pending[:n], "")
+                        del pending[:n]
                     continue
-                tokens = pending if n == len(pending) else pending[:n]
-                text = "".join(texts) if n == len(pending) else ""
-                seq = record.send_delta(self.stream, text, tokens)
-                self.sent_tokens += n
-                if trace is not None:
-                    trace.sent("frame", handle.request_id, tokens=n, nbytes=len(text), seq=seq)
-                if n == len(pending):
-                    pending = []
-                    texts = []
-                else:
-                    del pending[:n]
-                continue
-            if self.paused:
-                self.paused = False
-                handle.resume()
-            if final is not None:
-                reason = _END_REASONS.get(final.finish_reason or "stop", "stop")
-                error = None
-                if final.error_code is not None:
-                    reason = "error"
-                    error = StreamError(code=final.error_code, message=final.error_message or "")
-                if self._cancelled and reason != "error":
-                    reason = "cancelled"
-                return reason, usage_of(final, self.prompt_tokens, self.sent_tokens), error
-            batch = await handle.receive_batch()
-            if not batch:
-                return ("error", usage_of(None, self.prompt_tokens, self.sent_tokens),
-                        StreamError(code="internal", message="the engine request ended early"))
+                if self.paused:
+                    self.paused = False
+                    handle.resume()
+                if final is not None:
+                    reason = _END_REASONS.get(final.finish_reason or "stop", "stop")
+                    error = None
+                    if final.error_code is not None:
+                        reason = "error"
+                        error = StreamError(code=final.error_code,
+                                            message=final.error_message or "")
+                    if self._cancelled and reason != "error":
+                        reason = "cancelled"
+                    return reason, usage_of(final, self.prompt_tokens, self.sent_tokens), error
+                self._idle = True
+                try:
+                    batch = await handle.receive_batch()
+                finally:
+                    self._idle = False
+                if not batch:
+                    return ("error", usage_of(None, self.prompt_tokens, self.sent_tokens),
+                            StreamError(code="internal",
+                                        message="the engine request ended early"))
+                for delta in batch:
+                    if delta.token_ids:
+                        pending.extend(delta.token_ids)
+                    if delta.text:
+                        texts.append(delta.text)
+                    if delta.finished:
+                        final = delta
+        finally:
+            handle.listener = None
+
+    def _on_ready(self) -> bool:
+        """The bridge's fast path (see engine_bridge): while this task waits for deltas with
+        nothing pending, send everything the pass buffered as one delta right here, if credit
+        and window allow all of it and it is not the final one; otherwise (False) the task is
+        woken and takes the slow path. Never raises: a failure ends the stream from the task."""
+        handle = self.handle
+        if not self._idle or self._cancelled or handle is None or handle.final is not None:
+            return False
+        n = handle.buffered_tokens
+        if n == 0 or not self.record.can_send_delta(self.stream, n):
+            return False
+        try:
+            batch = handle.take_batch()
+            tokens: list[int] = []
+            texts: list[str] = []
             for delta in batch:
-                if delta.token_ids:
-                    pending.extend(delta.token_ids)
+                tokens += delta.token_ids
                 if delta.text:
                     texts.append(delta.text)
-                if delta.finished:
-                    final = delta
+            self._send(handle, tokens, "".join(texts))
+        except Exception as exc:  # end the stream (internal) from the task, not the loop
+            self._failure = exc
+            self._scope.cancel()
+            return False
+        return True
+
+    def _send(self, handle: RequestHandle, tokens: list[int], text: str) -> None:
+        seq = self.record.send_delta(self.stream, text, tokens)
+        self.sent_tokens += len(tokens)
+        trace = self.record.ctx.trace
+        if trace is not None:
+            trace.sent("frame", handle.request_id, tokens=len(tokens), nbytes=len(text), seq=seq)
 
     def _sendable(self, n: int) -> int | None:
         """How many of `n` pending tokens may go in one delta now (None: not even one)."""

@@ -5,6 +5,7 @@ admission, and no orphaned engine request whichever way a handle's block is left
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import trio
@@ -13,7 +14,7 @@ import trio.testing
 from seedance.engine.config import EngineConfig
 from seedance.engine.errors import EngineError
 from seedance.engine.null_engine import NullEngine
-from seedance.engine.outputs import EngineStats
+from seedance.engine.outputs import EngineStats, RequestDelta, StepOutput
 from seedance.engine.sampling_params import SamplingParams
 from seedance.server import engine_bridge
 from seedance.server.engine_bridge import EngineBridge
@@ -204,3 +205,83 @@ async def test_long_prompts_are_encoded_in_a_thread_with_the_same_result(
 async def test_negotiate_reads_the_current_load(bridge: EngineBridge) -> None:
     adoption = bridge.negotiate(prompt_tokens=10, max_tokens=None, expected_tokens=20)
     assert adoption.token_quota == 20 and adoption.batch_size == 1
+
+
+# -- delivery passes and the listener fast path (no engine thread: steps are handed in by hand) --
+
+def _idle_bridge() -> EngineBridge:
+    engine = NullEngine(EngineConfig(model="null"))
+    return EngineBridge(engine, ServerMetrics(), max_concurrent_requests=4,
+                        max_queued_requests=2, max_batch_size=64)
+
+
+def _pass(bridge: EngineBridge, *steps: list[RequestDelta]) -> None:
+    """One delivery pass carrying `steps`, as if the engine thread had handed them over."""
+    for number, deltas in enumerate(steps):
+        bridge._pending.append(StepOutput(step=number, deltas=deltas, timestamp=0.0))
+    bridge._deliver()
+
+
+def _tok(request_id: str, index: int, **kw: Any) -> RequestDelta:
+    return RequestDelta(request_id, index, [65 + index], chr(65 + index), **kw)
+
+
+async def test_a_listener_takes_a_whole_delivery_pass_in_one_call() -> None:
+    bridge = _idle_bridge()
+    async with bridge.open_request([256, 1], SamplingParams(max_tokens=10),
+                                   request_id="r") as handle:
+        taken: list[list[RequestDelta]] = []
+
+        def listener() -> bool:
+            taken.append(handle.take_batch())
+            return True
+
+        handle.listener = listener
+        _pass(bridge, [_tok("r", 0)], [_tok("r", 1)], [_tok("r", 2)])
+        assert [[d.index for d in batch] for batch in taken] == [[0, 1, 2]]
+        _pass(bridge, [_tok("r", 3)])
+        assert [[d.index for d in batch] for batch in taken] == [[0, 1, 2], [3]]
+        assert handle.buffered_tokens == 0 and handle.num_tokens == 4
+    # one first-token and one inter-token observation per pass, not per step
+    assert bridge.metrics.time_to_first_token.count == 1
+    assert bridge.metrics.inter_token_latency.count == 1
+
+
+async def test_a_declining_listener_leaves_the_pass_to_the_waiting_consumer() -> None:
+    bridge = _idle_bridge()
+    async with bridge.open_request([256, 1], SamplingParams(max_tokens=10),
+                                   request_id="r") as handle:
+        offers: list[int] = []
+
+        def listener() -> bool:
+            offers.append(handle.buffered_tokens)
+            return False
+
+        handle.listener = listener
+        got: list[list[int]] = []
+
+        async def consumer() -> None:
+            got.append([d.index for d in await handle.receive_batch()])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consumer)
+            await trio.testing.wait_all_tasks_blocked()
+            _pass(bridge, [_tok("r", 0)], [_tok("r", 1)])
+        assert offers == [2] and got == [[0, 1]]
+
+
+async def test_a_failing_listener_is_dropped_and_the_consumer_still_gets_everything(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bridge = _idle_bridge()
+    async with bridge.open_request([256, 1], SamplingParams(max_tokens=10),
+                                   request_id="r") as handle:
+        def listener() -> bool:
+            raise RuntimeError("consumer bug")
+
+        handle.listener = listener
+        _pass(bridge, [_tok("r", 0)])
+        assert handle.listener is None
+        assert "listener_failed" in caplog.text
+        _pass(bridge, [_tok("r", 1, finished=True, finish_reason="length")])
+        assert [d.index async for d in handle] == [0, 1]

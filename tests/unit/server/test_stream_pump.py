@@ -1,6 +1,7 @@
 """StreamPump against a fake session and a fake bridge: deltas only within credit and window
 (split when credit allows part), pausing the engine request and resuming on wake, cancel,
-timeout, stream errors, and the mapping of `open` fields to engine parameters."""
+timeout, stream errors, the fast path (a delivery pass sent as one frame, the task taking over
+when it declines or fails), and the mapping of `open` fields to engine parameters."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from seedance.server.stream_pump import StreamPump, sampling_params
 
 
 class FakeHandle:
+    """The consumer side of a RequestHandle. `push` is the waiting-task path; `deliver` is one
+    bridge delivery pass: the listener (the pump's fast path) is offered the whole pass first."""
+
     def __init__(self) -> None:
         self.request_id = "r"
         self.batches: list[list[RequestDelta]] = []
@@ -29,10 +33,34 @@ class FakeHandle:
         self.pauses = 0
         self.cancelled = False
         self.done = False
+        self.listener: Any = None
+        self.final: RequestDelta | None = None
+        self.offered: list[bool] = []
+        """What the listener answered, pass by pass."""
 
     def push(self, *deltas: RequestDelta) -> None:
         self.batches.append(list(deltas))
         self.arrived.set()
+
+    def deliver(self, *deltas: RequestDelta) -> None:
+        if deltas[-1].finished:
+            self.final = deltas[-1]
+        self.batches.append(list(deltas))
+        if self.listener is not None:
+            taken = self.listener()
+            self.offered.append(taken)
+            if taken:
+                return
+        self.arrived.set()
+
+    @property
+    def buffered_tokens(self) -> int:
+        return sum(len(d.token_ids) for batch in self.batches for d in batch)
+
+    def take_batch(self) -> list[RequestDelta]:
+        batch = [d for b in self.batches for d in b]
+        self.batches.clear()
+        return batch
 
     async def receive_batch(self) -> list[RequestDelta]:
         while not self.batches:
@@ -145,6 +173,20 @@ async def _settle() -> None:
     await trio.testing.wait_all_tasks_blocked()
 
 
+@asynccontextmanager
+async def running_pump(
+    record_kw: dict[str, Any] | None = None,
+) -> AsyncIterator[tuple[FakeHandle, FakeRecord, StreamPump]]:
+    """A pump running on a fresh fake session, settled and waiting for its first deltas."""
+    bridge = FakeBridge()
+    record = FakeRecord(bridge, **(record_kw or {}))
+    pump = StreamPump(record, _open())  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump.run)
+        await _settle()
+        yield bridge.handle, record, pump
+
+
 async def test_deltas_flow_and_the_end_carries_reason_and_usage() -> None:
     bridge = FakeBridge()
     record = FakeRecord(bridge)
@@ -168,7 +210,8 @@ async def test_no_credit_pauses_the_request_and_credit_resumes_it() -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pump.run)
         await _settle()
-        bridge.handle.push(_delta(0, [1, 2, 3], "xyz"))
+        bridge.handle.deliver(_delta(0, [1, 2, 3], "xyz"))
+        assert bridge.handle.offered == [False]  # the fast path declines what credit lacks
         await _settle()
         # credit for 2 of 3 tokens: those go out (text held back), then the request pauses
         assert record.sent == [("", [1, 2])]
@@ -178,8 +221,10 @@ async def test_no_credit_pauses_the_request_and_credit_resumes_it() -> None:
         await _settle()
         assert record.sent[-1] == ("xyz", [3])
         assert not bridge.handle.paused
-        bridge.handle.push(_delta(3, [], "", finished=True, finish_reason="stop",
-                                  usage=EngineUsage(2, 3)))
+        bridge.handle.deliver(_delta(3, [4], "w"))  # idle again: the fast path takes it
+        assert bridge.handle.offered[-1] is True and record.sent[-1] == ("w", [4])
+        bridge.handle.push(_delta(4, [], "", finished=True, finish_reason="stop",
+                                  usage=EngineUsage(2, 4)))
         await record.done.wait()
     assert record.ended is not None and record.ended[0] == "stop"
 
@@ -276,3 +321,37 @@ def test_sampling_params_take_open_fields_and_engine_defaults() -> None:
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
             params.stop, params.ignore_eos) == (12, 0.5, 0.9, 4, 7, ["x"], True)
     assert sampling_params(_open(), 5).temperature == 1.0
+
+
+async def test_a_delivery_pass_is_sent_as_one_frame_without_waking_the_task() -> None:
+    async with running_pump() as (handle, record, pump):
+        handle.deliver(_delta(0, [1], "a"), _delta(1, [2], "b"), _delta(2, [3], "c"))
+        # sent synchronously, inside the pass: no checkpoint in between
+        assert record.sent == [("abc", [1, 2, 3])] and handle.offered == [True]
+        handle.deliver(_delta(3, [4], "d"))
+        assert record.sent[-1] == ("d", [4]) and pump.sent_tokens == 4
+        # the final delta is the task's: it ends the stream
+        handle.deliver(_delta(4, [5], "e", finished=True, finish_reason="length",
+                              usage=EngineUsage(2, 5)))
+        assert handle.offered == [True, True, False]
+        await record.done.wait()
+    assert record.sent[-1] == ("e", [5])
+    assert record.ended == ("length", Usage(prompt_tokens=2, completion_tokens=5), None)
+    assert handle.listener is None  # unregistered when the pump ended
+
+
+async def test_a_failure_in_the_fast_path_ends_the_stream_with_an_internal_error() -> None:
+    def broken_send(stream: int, text: str, tokens: list[int]) -> int:
+        raise RuntimeError("encoder bug")
+
+    async with running_pump() as (handle, record, _):
+        record.send_delta = broken_send  # type: ignore[method-assign]
+        handle.deliver(_delta(0, [1], "a"))  # must not raise into the delivery pass
+        assert handle.offered == [False]
+        with trio.fail_after(5):
+            await record.done.wait()
+    assert record.ended is not None
+    reason, _, error = record.ended
+    assert reason == "error" and error is not None and error.code == "internal"
+    assert "encoder bug" in error.message
+    assert record.ctx.bridge.aborted  # the engine request did not outlive the stream
