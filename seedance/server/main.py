@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import gc
 import importlib
 import importlib.util
 import logging
@@ -27,6 +26,7 @@ from seedance.server import openai_api, ops_routes
 from seedance.server.engine_bridge import EngineBridge
 from seedance.server.engine_factory import create_engine
 from seedance.server.http_server import Routes, serve_http_connection
+from seedance.server.interpreter_tuning import tune_interpreter
 from seedance.server.metrics import ServerMetrics
 from seedance.server.server_context import Gateways, ServerContext
 from seedance.server.server_trace import ServerTrace, server_trace_path
@@ -286,14 +286,6 @@ def _port_of(listeners: list[trio.abc.Listener[trio.abc.Stream]]) -> int:
     return int(listener.socket.getsockname()[1])
 
 
-def settle_garbage_collector() -> None:
-    """Move everything loaded so far (torch, transformers, the model) out of the collector's
-    reach, so a full collection while serving walks only per-request objects: long pauses in
-    the middle of a stream show up directly as inter-token gaps."""
-    gc.collect()
-    gc.freeze()
-
-
 def run_server(config: SeedanceConfig) -> int:
     """`seedance serve`: returns the process exit status (0 after a graceful drain)."""
     configure_logging(config.server.log_level)
@@ -306,7 +298,7 @@ def run_server(config: SeedanceConfig) -> int:
             file=sys.stderr,
         )
         return 1
-    settle_garbage_collector()
+    tune_interpreter()
     try:
         server = Server(
             config, engine, gateways=gateways, api_keys=api_keys_from_env(), out=sys.stdout
