@@ -56,6 +56,12 @@ __all__ = [
 SUBPROTOCOL = {"msgpack": "seedance.v1.msgpack", "json": "seedance.v1.json"}
 DEFAULT_CREDIT_WINDOW = 256
 """Tokens a stream may run ahead of the caller with automatic credit."""
+DEFAULT_FRAME_WINDOW = 4096
+"""Reliable frames the server may have in flight toward this client (`hello.window`). One
+session multiplexes many streams: with the protocol's minimum-style default of 256 and 64 busy
+streams, each stream has 4 frames in flight, and every ACK round trip longer than 4 frames
+pauses them all. The cost is bounded: frames held for reordering only (TCP and WebSocket
+deliver in order, so in practice nothing is held) and the server's retransmit queue."""
 UNLIMITED_BUFFER_DELTAS = 1024
 """Deltas one stream buffers without credit before the client stops reading the socket."""
 RECEIVE_BYTES = 65536
@@ -192,14 +198,34 @@ class Stream:
 
     async def next_delta(self) -> DeltaReceived | None:
         """The next delta; None after the end. Raises `StreamFailed` / `SeedanceError`."""
+        if not await self._wait_for_delta():
+            return None
+        return self._take()
+
+    async def next_batch(self) -> list[DeltaReceived]:
+        """Every delta that has arrived (waiting for at least one), in order; [] after the end.
+        Raises like `next_delta`. What one read of the transport brought comes in one batch."""
+        if not await self._wait_for_delta():
+            return []
+        batch = [self._take()]
+        while self._deltas:
+            batch.append(self._take())
+        return batch
+
+    async def _wait_for_delta(self) -> bool:
+        """Wait until a delta is queued (True) or the stream ended (False)."""
         while not self._deltas:
             if self._failure is not None:
                 raise self._failure
             if self.reason is not None:
                 if self.reason == "error" and self.error is not None:
                     raise StreamFailed(self.error.code, self.error.message)
-                return None
+                return False
             await self._changed.wait()
+        return True
+
+    def _take(self) -> DeltaReceived:
+        """Pop the oldest delta, counting it consumed (which may grant credit)."""
         delta = self._deltas.popleft()
         self.received_tokens += len(delta.tokens)
         self.client._room_made()
@@ -263,7 +289,7 @@ class SeedanceClient:
         self.api_key = api_key
         self.codec: Codec = codec
         self.credit_window = credit_window
-        self.limits = limits if limits is not None else ProtocolLimits()
+        self.limits = limits if limits is not None else ProtocolLimits(window=DEFAULT_FRAME_WINDOW)
         if ssl_context is None and parsed.scheme in ("wss", "tls"):
             ssl_context = ssl.create_default_context()
             if insecure:

@@ -67,6 +67,24 @@ async def test_manual_credit_pauses_then_resumes(server: RunningServer) -> None:
     await _idle(server)
 
 
+async def test_next_batch_returns_everything_that_arrived_then_nothing(
+    server: RunningServer,
+) -> None:
+    async with SeedanceClient(f"ws://127.0.0.1:{server.port}/v2/infer") as client:
+        reference = await (await client.open(prompt="batch", params=GREEDY)).text()
+        stream = await client.open(prompt="batch", params=GREEDY)
+        with trio.fail_after(10):
+            while not stream.done:  # every delta is queued before the end is
+                await trio.sleep(0.01)
+        batch = await stream.next_batch()
+        assert len(batch) >= 1 and "".join(d.text for d in batch) == reference
+        ends = [d.index + len(d.tokens) for d in batch]
+        assert batch[0].index == 0 and [d.index for d in batch[1:]] == ends[:-1]  # in order
+        assert sum(len(d.tokens) for d in batch) == stream.received_tokens == 200
+        assert await stream.next_batch() == []
+    await _idle(server)
+
+
 async def test_cancel_and_stream_errors(server: RunningServer) -> None:
     async with SeedanceClient(f"ws://127.0.0.1:{server.port}/v2/infer",
                               credit_window=8) as client:
