@@ -61,6 +61,8 @@ class HttpExchange:
         self.status: int | None = None
         self.bytes_sent = 0
         self._close_after = close_after
+        self._chunked = False
+        """The streamed response's head says `Transfer-Encoding: chunked` (see `send`)."""
 
     @property
     def started(self) -> bool:
@@ -102,12 +104,20 @@ class HttpExchange:
     ) -> None:
         """Send the head of a streamed (chunked) response."""
         data = self._head(status, [("content-type", content_type), *headers])
+        self._chunked = b"\r\ntransfer-encoding: chunked\r\n" in data.lower()
         self.bytes_sent += len(data)
         await self._stream.send_all(data)
 
     async def send(self, payload: bytes) -> None:
-        """Send one piece of a streamed response."""
-        data = self._conn.send(h11.Data(data=payload))
+        """Send one piece of a streamed response. Chunked framing is written here rather than
+        by h11 (whose chunked writer keeps no state between chunks; it still writes the head
+        and the last chunk): this runs once per stream per delivery pass."""
+        if not payload:
+            return
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(payload), payload)
+        else:  # HTTP/1.0 peer: close-delimited, h11 frames it
+            data = self._conn.send(h11.Data(data=payload))
         self.bytes_sent += len(data)
         await self._stream.send_all(data)
 

@@ -282,6 +282,52 @@ def test_10_mb_body_is_413_and_the_server_keeps_serving(
     assert client.completions.create(model="null", prompt="after", max_tokens=2).choices
 
 
+def _raw_sse(port: int, version: bytes) -> tuple[bytes, bytes]:
+    """A streamed completion over a plain socket: (head, body) exactly as sent."""
+    body = json.dumps({"model": "null", "prompt": "raw", "max_tokens": 40,
+                       "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/" + version + b"\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body)
+        data = b""
+        while True:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            data += piece
+            if version == b"1.1" and data.endswith(b"0\r\n\r\n"):
+                break
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = b""
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            assert body == b"\r\n"
+            return out
+        assert body[size:size + 2] == b"\r\n"
+        out, body = out + body[:size], body[size + 2:]
+
+
+def test_sse_is_chunked_for_http_1_1_and_close_delimited_for_http_1_0(
+    server: RunningServer,
+) -> None:
+    head11, body11 = _raw_sse(server.port, b"1.1")
+    assert b"transfer-encoding: chunked" in head11.lower()
+    head10, body10 = _raw_sse(server.port, b"1.0")
+    assert b"transfer-encoding" not in head10.lower()
+    for events in (_dechunk(body11), body10):
+        assert events.endswith(b"data: [DONE]\n\n")
+        texts = [json.loads(line[6:])["choices"][0]["text"]
+                 for line in events.split(b"\n\n") if line.startswith(b"data: {")]
+        assert len("".join(texts)) == 40
+
+
 def test_chunked_body_over_the_limit_is_413(server: RunningServer) -> None:
     def chunks() -> Iterator[bytes]:
         for _ in range(80):
