@@ -26,3 +26,9 @@ def tune_interpreter() -> None:
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
+def release_interpreter() -> None:
+    """Undo the freeze before the process exits, so interpreter shutdown can collect what was
+    frozen (extension modules such as triton's check at exit that their objects were freed)."""
+    gc.unfreeze()

@@ -26,7 +26,7 @@ from seedance.server import openai_api, ops_routes
 from seedance.server.engine_bridge import EngineBridge
 from seedance.server.engine_factory import create_engine
 from seedance.server.http_server import Routes, serve_http_connection
-from seedance.server.interpreter_tuning import tune_interpreter
+from seedance.server.interpreter_tuning import release_interpreter, tune_interpreter
 from seedance.server.metrics import ServerMetrics
 from seedance.server.server_context import Gateways, ServerContext
 from seedance.server.server_trace import ServerTrace, server_trace_path
@@ -312,4 +312,5 @@ def run_server(config: SeedanceConfig) -> int:
         return 1
     finally:
         engine.shutdown()
+        release_interpreter()
     return 0

@@ -1,5 +1,6 @@
 """tune_interpreter: start-up objects frozen out of the collector, a high young-generation
-threshold and a short GIL switch interval — and nothing else about the collector changed."""
+threshold and a short GIL switch interval — and nothing else about the collector changed;
+release_interpreter: the freeze undone before exit."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from seedance.server import interpreter_tuning
-from seedance.server.interpreter_tuning import tune_interpreter
+from seedance.server.interpreter_tuning import release_interpreter, tune_interpreter
 
 
 @pytest.fixture
@@ -33,3 +34,9 @@ def test_tune_interpreter_freezes_and_sets_threshold_and_switch_interval(
     assert gc.get_threshold() == (interpreter_tuning.GC_YOUNG_THRESHOLD, older, oldest)
     assert sys.getswitchinterval() == pytest.approx(interpreter_tuning.SWITCH_INTERVAL_S)
     assert gc.isenabled()
+
+
+def test_release_interpreter_unfreezes_before_exit(restore_interpreter: None) -> None:
+    tune_interpreter()
+    release_interpreter()
+    assert gc.get_freeze_count() == 0
