@@ -177,8 +177,9 @@ class Stream:
         return self.reason is not None or self._failure is not None
 
     def _notify(self) -> None:
+        """Wake the caller waiting for a delta or the end (a new Event is made per wait, not
+        per delta: this runs for every delta the connection receives)."""
         self._changed.set()
-        self._changed = trio.Event()
 
     def _fail(self, failure: SeedanceError) -> None:
         if self.reason is None and self._failure is None:
@@ -221,6 +222,7 @@ class Stream:
                 if self.reason == "error" and self.error is not None:
                     raise StreamFailed(self.error.code, self.error.message)
                 return False
+            self._changed = trio.Event()
             await self._changed.wait()
         return True
 
