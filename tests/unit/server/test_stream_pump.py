@@ -175,12 +175,13 @@ async def _settle() -> None:
 
 @asynccontextmanager
 async def running_pump(
-    record_kw: dict[str, Any] | None = None,
+    open_: Open | None = None, **record_kw: Any
 ) -> AsyncIterator[tuple[FakeHandle, FakeRecord, StreamPump]]:
-    """A pump running on a fresh fake session, settled and waiting for its first deltas."""
+    """A pump running on a fresh fake session (`record_kw`: its credit and room), settled and
+    waiting for its first deltas; the block ends when the pump has ended."""
     bridge = FakeBridge()
-    record = FakeRecord(bridge, **(record_kw or {}))
-    pump = StreamPump(record, _open())  # type: ignore[arg-type]
+    record = FakeRecord(bridge, **record_kw)
+    pump = StreamPump(record, open_ or _open())  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pump.run)
         await _settle()
@@ -188,75 +189,55 @@ async def running_pump(
 
 
 async def test_deltas_flow_and_the_end_carries_reason_and_usage() -> None:
-    bridge = FakeBridge()
-    record = FakeRecord(bridge)
-    pump = StreamPump(record, _open(params=SamplingOptions(max_tokens=3)))  # type: ignore[arg-type]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pump.run)
-        await _settle()
+    async with running_pump(_open(params=SamplingOptions(max_tokens=3))) as (handle, record, _):
         assert record.accepted == (3, 2)
-        bridge.handle.push(_delta(0, [1, 2], "ab"), _delta(2, [3], "c", finished=True,
-                                                          finish_reason="length",
-                                                          usage=EngineUsage(2, 3)))
+        handle.push(_delta(0, [1, 2], "ab"), _delta(2, [3], "c", finished=True,
+                                                    finish_reason="length",
+                                                    usage=EngineUsage(2, 3)))
         await record.done.wait()
     assert record.sent == [("abc", [1, 2, 3])]  # one frame for the whole batch
     assert record.ended == ("length", Usage(prompt_tokens=2, completion_tokens=3), None)
 
 
 async def test_no_credit_pauses_the_request_and_credit_resumes_it() -> None:
-    bridge = FakeBridge()
-    record = FakeRecord(bridge, credit=2)
-    pump = StreamPump(record, _open())  # type: ignore[arg-type]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pump.run)
-        await _settle()
-        bridge.handle.deliver(_delta(0, [1, 2, 3], "xyz"))
-        assert bridge.handle.offered == [False]  # the fast path declines what credit lacks
+    async with running_pump(credit=2) as (handle, record, pump):
+        handle.deliver(_delta(0, [1, 2, 3], "xyz"))
+        assert handle.offered == [False]  # the fast path declines what credit lacks
         await _settle()
         # credit for 2 of 3 tokens: those go out (text held back), then the request pauses
         assert record.sent == [("", [1, 2])]
-        assert bridge.handle.paused and pump.paused
+        assert handle.paused and pump.paused
         record.credit = 10
         pump.wake()
         await _settle()
         assert record.sent[-1] == ("xyz", [3])
-        assert not bridge.handle.paused
-        bridge.handle.deliver(_delta(3, [4], "w"))  # idle again: the fast path takes it
-        assert bridge.handle.offered[-1] is True and record.sent[-1] == ("w", [4])
-        bridge.handle.push(_delta(4, [], "", finished=True, finish_reason="stop",
-                                  usage=EngineUsage(2, 4)))
+        assert not handle.paused
+        handle.deliver(_delta(3, [4], "w"))  # idle again: the fast path takes it
+        assert handle.offered[-1] is True and record.sent[-1] == ("w", [4])
+        handle.push(_delta(4, [], "", finished=True, finish_reason="stop",
+                           usage=EngineUsage(2, 4)))
         await record.done.wait()
     assert record.ended is not None and record.ended[0] == "stop"
 
 
 async def test_full_window_pauses_until_woken() -> None:
-    bridge = FakeBridge()
-    record = FakeRecord(bridge, room=0)
-    pump = StreamPump(record, _open())  # type: ignore[arg-type]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pump.run)
+    async with running_pump(room=0) as (handle, record, pump):
+        handle.push(_delta(0, [1], "a"))
         await _settle()
-        bridge.handle.push(_delta(0, [1], "a"))
-        await _settle()
-        assert record.sent == [] and bridge.handle.paused
+        assert record.sent == [] and handle.paused
         record.room = 5
         pump.wake()
         await _settle()
-        assert record.sent == [("a", [1])] and not bridge.handle.paused
+        assert record.sent == [("a", [1])] and not handle.paused
         pump.cancel()
         await record.done.wait()
     assert record.ended is not None and record.ended[0] == "cancelled"
-    assert bridge.handle.cancelled
+    assert handle.cancelled
 
 
 async def test_cancel_while_paused_drops_what_cannot_be_sent() -> None:
-    bridge = FakeBridge()
-    record = FakeRecord(bridge, credit=0)
-    pump = StreamPump(record, _open())  # type: ignore[arg-type]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pump.run)
-        await _settle()
-        bridge.handle.push(_delta(0, [1], "a"))
+    async with running_pump(credit=0) as (handle, record, pump):
+        handle.push(_delta(0, [1], "a"))
         await _settle()
         pump.cancel()
         await record.done.wait()
@@ -265,17 +246,12 @@ async def test_cancel_while_paused_drops_what_cannot_be_sent() -> None:
 
 
 async def test_timeout_aborts_the_engine_request() -> None:
-    bridge = FakeBridge()
-    record = FakeRecord(bridge, credit=0)
-    pump = StreamPump(record, _open())  # type: ignore[arg-type]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pump.run)
-        await _settle()
-        bridge.handle.push(_delta(0, [1, 2], "ab"))
+    async with running_pump(credit=0) as (handle, record, pump):
+        handle.push(_delta(0, [1, 2], "ab"))
         await _settle()
         pump.time_out()
         await record.done.wait()
-    assert bridge.aborted and not bridge.open
+    assert record.ctx.bridge.aborted and not record.ctx.bridge.open
     assert record.ended == ("timeout", Usage(prompt_tokens=2, completion_tokens=0), None)
 
 
@@ -301,15 +277,9 @@ async def test_refusals_end_the_stream_with_its_error(
 
 
 async def test_engine_failure_becomes_an_error_end() -> None:
-    bridge = FakeBridge()
-    record = FakeRecord(bridge)
-    pump = StreamPump(record, _open())  # type: ignore[arg-type]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pump.run)
-        await _settle()
-        bridge.handle.push(_delta(0, [], "", finished=True, finish_reason="error",
-                                  usage=EngineUsage(2, 0), error_code="internal",
-                                  error_message="boom"))
+    async with running_pump() as (handle, record, _):
+        handle.push(_delta(0, [], "", finished=True, finish_reason="error",
+                           usage=EngineUsage(2, 0), error_code="internal", error_message="boom"))
         await record.done.wait()
     assert record.ended is not None
     assert record.ended[0] == "error" and record.ended[2] == StreamError("internal", "boom")
