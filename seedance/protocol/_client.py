@@ -15,7 +15,7 @@ from ._connection import (
     _PendingPong,
     _violation,
 )
-from ._framing import SMALL_FRAME, SMALL_HEADERS, pack_header
+from ._framing import _unpack_header_from
 from ._heartbeat import CONNECTION, SESSION, Key
 from ._session import Role, SessionState
 from ._stream_state import StreamRecord, next_state
@@ -230,68 +230,66 @@ class ClientConnection(_Connection):
     def receive_data(self, data: bytes | bytearray | memoryview, now: float) -> None:
         """Feed bytes from the transport (see `_Connection.receive_data`).
 
-        The per-token hot path is inlined here: one whole frame holding the next in-order
-        `delta` of an accepted stream, within its credit (§1, §6, §9). Anything else, including
-        every error, takes the general path, which checks and reports it.
+        The per-token hot path is inlined here: each whole frame of the read that holds the
+        next in-order `delta` of an accepted stream, within its credit (§1, §6, §9), is applied
+        in this loop, and one ack (when due) covers the read. At the first frame that is
+        anything else, including every error and a frame cut by the read's end, the rest of the
+        read takes the general path, which checks and reports it.
         """
         session = self._live
-        size = len(data)
-        if (
-            session is None
-            or self._pending_input
-            or not HEADER_SIZE < size <= self._max_frame_size
-            or data[:8] != (
-                SMALL_HEADERS[size - 8] if size - 8 < SMALL_FRAME else pack_header(MAGIC, size - 8)
-            )
-        ):
+        if session is None or self._pending_input:
             super().receive_data(data, now)
             return
-        try:
-            message = self._raw_decode(data[8:])
-        except msgspec.MsgspecError:
-            super().receive_data(data, now)
-            return
-        if type(message) is not Delta:
-            self._now = now
-            try:
-                self._receive_payload_message(message, now)
-                live = self._live
-                if live is not None and live.recv.immediate:
-                    self._write_ack()
-            except RemoteProtocolError as exc:
-                self._fail(exc)
-                raise
-            return
-        recv = session.recv
-        seq = message.seq
-        record = session.streams.get(message.stream)
-        if (
-            seq != recv.ack
-            or recv._held
-            or record is None
-            or not record.flowing
-        ):
-            super().receive_data(data, now)
-            return
-        index = message.index
-        tokens = message.tokens
-        end = index + len(tokens)
-        limit = record.limit
-        if index != record.sent or (limit is not None and end > limit):
-            super().receive_data(data, now)
-            return
-        # everything checked: the same effects as ReceiveWindow.take_next + _apply_delta
         self._now = now
-        record.sent = end
-        recv.ack = seq + 1
-        self._events.append(DeltaReceived(message.stream, index, message.text, tokens))
-        unacked = recv._unacked + 1
-        if unacked >= recv._ack_every:
-            self._write_ack()  # resets the count
-        else:
-            recv._unacked = unacked
-            if recv.deadline is None:
+        if type(data) is not bytes:
+            data = bytes(data)  # the views below must not pin a caller's bytearray
+        size = len(data)
+        view = memoryview(data)
+        raw_decode = self._raw_decode
+        max_payload = self._max_frame_size - HEADER_SIZE
+        recv = session.recv
+        streams = session.streams
+        events = self._events
+        offset = 0
+        while size - offset > HEADER_SIZE:
+            magic, length = _unpack_header_from(data, offset)
+            end = offset + HEADER_SIZE + length
+            if magic != MAGIC or not 0 < length <= max_payload or end > size:
+                break
+            try:
+                message = raw_decode(view[offset + HEADER_SIZE : end])
+            except msgspec.MsgspecError:
+                break
+            if type(message) is not Delta:
+                break
+            record = streams.get(message.stream)
+            if (
+                message.seq != recv.ack
+                or recv._held
+                or record is None
+                or not record.flowing
+            ):
+                break
+            index = message.index
+            tokens = message.tokens
+            last = index + len(tokens)
+            limit = record.limit
+            if index != record.sent or (limit is not None and last > limit):
+                break
+            # everything checked: the same effects as ReceiveWindow.take_next + _apply_delta
+            record.sent = last
+            recv.ack = message.seq + 1
+            events.append(DeltaReceived(message.stream, index, message.text, tokens))
+            recv._unacked += 1
+            if recv._unacked >= recv._ack_every:
+                recv.immediate = True
+            elif recv.deadline is None:
                 recv.deadline = now + recv._ack_delay
+            offset = end
+        if offset < size:
+            super().receive_data(view[offset:] if offset else data, now)  # writes a due ack
+        elif recv.immediate and self._live is session:
+            self._write_ack()
 
     def _receive_payload(self, payload: bytes | bytearray | memoryview, now: float) -> None:
         try:

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from seedance.protocol import (
     ClientConnection,
     ConnectionState,
+    DeltaReceived,
     HelloReceived,
     LocalProtocolError,
     ProtocolLimits,
+    RemoteProtocolError,
     ServerConnection,
+    StreamAccepted,
+    StreamEnded,
+    StreamOpened,
+    Usage,
     Welcomed,
 )
+from seedance.protocol._framing import FrameDecoder, encode_frame
+from seedance.protocol.messages import Ack, PayloadCodec
 
 
 def handshake() -> tuple[ClientConnection, ServerConnection]:
@@ -143,3 +155,95 @@ def test_one_frame_per_call_takes_the_same_path_for_every_size() -> None:
         client.receive_data(memoryview(server.data_to_send(0.0)), 0.0)
         (event,) = client.events()
         assert isinstance(event, DeltaReceived) and (event.index, event.text) == (i, text)
+
+
+# -- the client's read loop: every whole in-order delta of a read is applied in one pass -------
+
+
+def server_output(streams: int = 3, deltas: int = 20) -> tuple[ClientConnection, bytes]:
+    """A client with `streams` open streams and, not yet fed to it, the server's bytes: the
+    accepts, `deltas` interleaved deltas per stream (one over SMALL_FRAME bytes), one end."""
+    client, server = handshake()
+    ids = [client.open_stream(prompt=f"p{i}") for i in range(streams)]
+    server.receive_data(client.data_to_send(0.0), 0.0)
+    assert all(isinstance(e, StreamOpened) for e in server.events())
+    for stream in ids:
+        server.accept_stream(stream, token_quota=1000, batch_size=1)
+    for i in range(deltas):
+        for stream in ids:
+            text = "é" * 200 if i == 7 else f"t{i}"
+            server.send_delta(stream, text, (i, i + 1))
+    server.end_stream(ids[0], "stop", Usage(prompt_tokens=1, completion_tokens=2 * deltas))
+    return client, server.data_to_send(0.0)
+
+
+def client_view(client: ClientConnection) -> list[tuple[object, ...]]:
+    seen: list[tuple[object, ...]] = []
+    for event in client.events():
+        if isinstance(event, DeltaReceived):
+            seen.append(("delta", event.stream, event.index, event.text, event.tokens))
+        elif isinstance(event, StreamAccepted):
+            seen.append(("accept", event.stream))
+        elif isinstance(event, StreamEnded):
+            seen.append(("end", event.stream, event.reason))
+    return seen
+
+
+def acks_sent(client: ClientConnection, now: float) -> list[Ack]:
+    """The acks in what the client sends now."""
+    codec = PayloadCodec("msgpack")
+    messages = [codec.decode(p) for p in FrameDecoder(1 << 30).feed(client.data_to_send(now))]
+    return [m for m in messages if isinstance(m, Ack)]
+
+
+def frames_of(data: bytes) -> list[bytes]:
+    return list(FrameDecoder(1 << 30).feed(data))
+
+
+@given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+def test_a_read_gives_the_same_events_and_acks_however_the_bytes_are_cut(
+    cuts: list[int],
+) -> None:
+    client, data = server_output()
+    client.receive_data(data, 0.0)
+    whole = client_view(client)
+    assert len([e for e in whole if e[0] == "delta"]) == 60 and whole[-1] == ("end", 1, "stop")
+    client, data = server_output()
+    bounds = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
+    seen: list[tuple[object, ...]] = []
+    for start, end in itertools.pairwise(bounds):
+        client.receive_data(data[start:end], 0.0)
+        seen += client_view(client)
+    assert seen == whole
+    client.handle_timers(1.0)
+    assert acks_sent(client, 1.0)[-1].ack == 64  # 3 accepts, 60 deltas, 1 end
+
+
+def test_one_ack_answers_a_read_of_many_deltas() -> None:
+    client, data = server_output(streams=4, deltas=16)  # 4 accepts + 64 deltas + 1 end
+    client.receive_data(data, 0.0)
+    assert [ack.ack for ack in acks_sent(client, 0.0)] == [69]
+
+
+def test_deltas_before_a_corrupt_frame_are_delivered_then_the_read_fails() -> None:
+    client, data = server_output(streams=1, deltas=4)
+    sizes = [len(encode_frame(p)) for p in frames_of(data)]
+    cut = sum(sizes[:3])  # the accept and two deltas stay whole
+    corrupt = data[:cut] + b"\x00\x00\x00\x00" + data[cut + 4:]
+    with pytest.raises(RemoteProtocolError) as failure:
+        client.receive_data(corrupt, 0.0)
+    assert failure.value.code == "corrupted_frame"
+    assert [e[0] for e in client_view(client)] == ["accept", "delta", "delta"]
+    assert client.state is ConnectionState.CLOSED
+
+
+def test_a_delta_out_of_order_in_a_read_is_held_and_sacked_not_delivered() -> None:
+    client, data = server_output(streams=1, deltas=4)
+    frames = frames_of(data)  # accept, 4 deltas, end
+    swapped = [frames[0], frames[1], frames[3], frames[2], *frames[4:]]
+    client.receive_data(b"".join(encode_frame(p) for p in swapped[:3]), 0.0)
+    assert [e[2] for e in client_view(client) if e[0] == "delta"] == [0]
+    ack = acks_sent(client, 0.0)[-1]
+    assert ack.ack == 2 and ack.sack == ((3, 4),)  # accept and delta 0 in; delta 2 held
+    client.receive_data(b"".join(encode_frame(p) for p in swapped[3:]), 0.0)
+    assert [e[2] for e in client_view(client) if e[0] == "delta"] == [2, 4, 6]
