@@ -232,6 +232,8 @@ class EngineBridge:
         """Steps handed over by the engine thread and not yet fanned out (under _cv)."""
         self._touched: list[RequestHandle] = []
         """Handles pushed to in the delivery pass under way."""
+        self._pass_end: list[Callable[[], None]] | None = None
+        """Callbacks for the end of the delivery pass now running (None: no pass running)."""
         self._delivery_scheduled = False
         self._closed = False
         self._step_seconds = 0.0
@@ -377,19 +379,36 @@ class EngineBridge:
         except trio.RunFinishedError:
             self.close()
 
+    def at_pass_end(self, callback: Callable[[], None]) -> bool:
+        """During a delivery pass: run `callback` once every handle has been offered, and
+        return True (a connection writes everything the pass queued for it in one go). Outside
+        a pass: return False."""
+        pass_end = self._pass_end
+        if pass_end is None:
+            return False
+        pass_end.append(callback)
+        return True
+
     def _deliver(self) -> None:
         """Runs in trio: fan the pending steps' deltas out to their handles, in step order,
-        then offer each touched handle's buffer to its consumer once."""
+        then offer each touched handle's buffer to its consumer once, then run the pass-end
+        callbacks."""
         with self._cv:
             steps, self._pending = self._pending, []
             self._delivery_scheduled = False
             self._cv.notify()
         now = time.monotonic()
-        for step in steps:
-            self._fan_out(step, now)
-        touched, self._touched = self._touched, []
-        for handle in touched:
-            handle._offer(now)
+        self._pass_end = []
+        try:
+            for step in steps:
+                self._fan_out(step, now)
+            touched, self._touched = self._touched, []
+            for handle in touched:
+                handle._offer(now)
+        finally:
+            callbacks, self._pass_end = self._pass_end, None
+            for callback in callbacks:
+                callback()
 
     def _fan_out(self, step: StepOutput, now: float) -> None:
         if self._last_step_at is not None:

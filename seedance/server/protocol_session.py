@@ -1,12 +1,15 @@
 """One protocol connection on one transport (WebSocket or raw TCP): a nursery with the reader
 (bytes → `ServerConnection` → events), the writer (everything the connection queued, in one
 write) and the timer task (driven by `next_deadline()`), plus the drain watcher. Events are
-turned into session actions: hello/resume, opens (stream pumps), cancel, credit, timeouts."""
+turned into session actions: hello/resume, opens (stream pumps), cancel, credit, timeouts.
+Frames queued during an engine delivery pass are written at the pass's end, from the pass,
+without waking the writer, when the transport takes them at once."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import Protocol
 
 import trio
@@ -50,8 +53,12 @@ class FrameTransport(Protocol):
         Raises `RemoteProtocolError` when the transport itself was misused (e.g. a WebSocket
         text message)."""
 
+    def send_nowait(self, data: bytes) -> bool:
+        """Write `data` now, without blocking or yielding, if the transport takes all of it
+        (True); else keep what is left for the next `send` (False). Order is kept."""
+
     async def send(self, data: bytes) -> None:
-        """Write `data` (in order; one caller at a time)."""
+        """Write what `send_nowait` left, then `data` (in order; one caller at a time)."""
 
     async def close(self, code: int, reason: str) -> None:
         """Close with `code` (WebSocket close code; ignored on raw TCP), bounded in time."""
@@ -75,14 +82,49 @@ class ProtocolConnection:
         self._close_reason = ""
         self._dirty = trio.Event()
         self._timer_changed = trio.Event()
+        self._timer_deadline = math.inf
+        """What the timer task sleeps until (inf: until `_timer_changed`)."""
         self._scope = trio.CancelScope()
         self._sending = False
         """A write was interrupted: the transport's byte stream is cut mid-message."""
+        self._flush_queued = False
+        """`_flush_now` will run at the end of the current delivery pass."""
+        self._backlog = False
+        """`send_nowait` left bytes in the transport for the writer."""
 
     # -- AttachedConnection ------------------------------------------------------------------------
 
     def kick(self) -> None:
-        self._dirty.set()
+        """Frames are waiting in `conn`. During an engine delivery pass they are written at its
+        end (one message per pass, no task switch); otherwise the writer wakes."""
+        if self._flush_queued:
+            return
+        if self.ctx.bridge.at_pass_end(self._flush_now):
+            self._flush_queued = True
+        else:
+            self._dirty.set()
+
+    def _flush_now(self) -> None:
+        """Write what `conn` queued straight to the transport; what it does not take at once
+        is left to the writer (as is everything while the connection is closing)."""
+        self._flush_queued = False
+        if self.close_code is not None:
+            self._dirty.set()
+            return
+        try:
+            data = self.conn.data_to_send(trio.current_time())
+            if data and not self.transport.send_nowait(data):
+                self._backlog = True
+                self._dirty.set()
+            self._deadline_may_have_moved()
+        except Exception as exc:  # a bug: this connection ends, the server goes on
+            self._internal_error(exc)
+
+    def _deadline_may_have_moved(self) -> None:
+        """Wake the timer task only when a send armed a deadline earlier than its own."""
+        deadline = self.conn.next_deadline()
+        if deadline is not None and deadline < self._timer_deadline:
+            self._timer_changed.set()
 
     def detach_now(self) -> None:
         """Another connection resumed our session: this transport is abandoned."""
@@ -140,7 +182,8 @@ class ProtocolConnection:
 
     async def _flush_quietly(self) -> None:
         data = self.conn.data_to_send(trio.current_time())
-        if data:
+        if data or self._backlog:
+            self._backlog = False
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self.transport.send(data)
 
@@ -184,7 +227,7 @@ class ProtocolConnection:
 
     def _after_input(self) -> None:
         self._dirty.set()
-        self._timer_changed.set()
+        self._deadline_may_have_moved()
 
     def _protocol_error(self, exc: RemoteProtocolError, *, from_transport: bool = False) -> None:
         self.ctx.metrics.protocol_error(exc.code)
@@ -200,8 +243,9 @@ class ProtocolConnection:
             await self._dirty.wait()
             self._dirty = trio.Event()
             data = conn.data_to_send(trio.current_time())
-            if data:
+            if data or self._backlog:
                 self._sending = True
+                self._backlog = False
                 try:
                     await self.transport.send(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -211,7 +255,7 @@ class ProtocolConnection:
             if self.close_code is not None:
                 self._scope.cancel()
                 return
-            self._timer_changed.set()
+            self._deadline_may_have_moved()
 
     async def _timers(self) -> None:
         conn = self.conn
@@ -220,12 +264,15 @@ class ProtocolConnection:
             self._timer_changed = changed = trio.Event()
             deadline = conn.next_deadline()
             if deadline is None:
+                self._timer_deadline = math.inf
                 await changed.wait()
                 continue
             if trio.current_time() < deadline:
+                self._timer_deadline = deadline
                 with trio.move_on_at(deadline):
                     await changed.wait()
                 continue
+            self._timer_deadline = -math.inf  # running: every change must be seen
             now = trio.current_time()
             session = conn.session
             resent_before = 0 if session is None else session.send.retransmissions

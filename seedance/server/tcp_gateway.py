@@ -8,6 +8,7 @@ import trio
 
 from seedance.server.protocol_session import ProtocolConnection
 from seedance.server.server_context import ServerContext
+from seedance.server.socket_writer import SocketWriter
 
 RECEIVE_BYTES = 65536
 
@@ -20,17 +21,22 @@ class TcpTransport:
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
+        self._writer = SocketWriter(stream)
 
     async def receive(self) -> bytes:
         return bytes(await self.stream.receive_some(RECEIVE_BYTES))
 
+    def send_nowait(self, data: bytes) -> bool:
+        return self._writer.write_nowait(data)
+
     async def send(self, data: bytes) -> None:
-        await self.stream.send_all(data)
+        await self._writer.send(data)
 
     async def close(self, code: int, reason: str) -> None:
         """Half-close and discard what the peer still sends until it closes too (bounded by
         the caller), so the last frames are read rather than lost to a reset."""
         try:
+            await self._writer.send()
             if isinstance(self.stream, trio.SocketStream):
                 await self.stream.send_eof()
             while await self.stream.receive_some(RECEIVE_BYTES):

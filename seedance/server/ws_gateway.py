@@ -17,6 +17,7 @@ from seedance.protocol import ErrorCode, RemoteProtocolError
 from seedance.protocol.messages import Codec
 from seedance.server.protocol_session import ProtocolConnection
 from seedance.server.server_context import ServerContext
+from seedance.server.socket_writer import SocketWriter
 from seedance.server.structured_log import log_event
 
 SUBPROTOCOLS: dict[str, Codec] = {"seedance.v1.msgpack": "msgpack", "seedance.v1.json": "json"}
@@ -49,7 +50,7 @@ class WebSocketTransport:
     def __init__(self, stream: trio.abc.Stream, connection: wsproto.WSConnection) -> None:
         self.stream = stream
         self.ws = connection
-        self._send_lock = trio.StrictFIFOLock()
+        self._writer = SocketWriter(stream)
         self._pending: list[bytes] = []
         self._peer_closed = False
         self._clean = False
@@ -59,8 +60,7 @@ class WebSocketTransport:
         return self._clean
 
     async def _send_raw(self, data: bytes) -> None:
-        async with self._send_lock:
-            await self.stream.send_all(data)
+        await self._writer.send(data)
 
     async def receive(self) -> bytes:
         while True:
@@ -101,10 +101,15 @@ class WebSocketTransport:
                     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                         await self._send_raw(self.ws.send(event.response()))
 
+    def send_nowait(self, data: bytes) -> bool:
+        if self.ws.state is not wsproto.connection.ConnectionState.OPEN:
+            return False  # the next `send` raises
+        return self._writer.write_nowait(self.ws.send(ws.Message(data=data)))
+
     async def send(self, data: bytes) -> None:
         if self.ws.state is not wsproto.connection.ConnectionState.OPEN:
             raise trio.ClosedResourceError("the WebSocket is closing")
-        await self._send_raw(self.ws.send(ws.Message(data=data)))
+        await self._send_raw(self.ws.send(ws.Message(data=data)) if data else b"")
 
     async def close(self, code: int, reason: str) -> None:
         """Send the close frame, then wait (bounded by the caller) for the peer's."""

@@ -4,7 +4,7 @@ admission, and no orphaned engine request whichever way a handle's block is left
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -17,7 +17,7 @@ from seedance.engine.null_engine import NullEngine
 from seedance.engine.outputs import EngineStats, RequestDelta, StepOutput
 from seedance.engine.sampling_params import SamplingParams
 from seedance.server import engine_bridge
-from seedance.server.engine_bridge import EngineBridge
+from seedance.server.engine_bridge import EngineBridge, RequestHandle
 from seedance.server.metrics import ServerMetrics
 
 
@@ -285,3 +285,26 @@ async def test_a_failing_listener_is_dropped_and_the_consumer_still_gets_everyth
         assert "listener_failed" in caplog.text
         _pass(bridge, [_tok("r", 1, finished=True, finish_reason="length")])
         assert [d.index async for d in handle] == [0, 1]
+
+
+async def test_pass_end_callbacks_run_once_after_every_handle_was_offered() -> None:
+    bridge = _idle_bridge()
+    assert not bridge.at_pass_end(lambda: None)  # no pass running
+    log: list[str] = []
+    async with bridge.open_request([256, 1], SamplingParams(max_tokens=10),
+                                   request_id="a") as a, \
+            bridge.open_request([256, 2], SamplingParams(max_tokens=10),
+                                request_id="b") as b:
+        def listener_of(handle: RequestHandle) -> Callable[[], bool]:
+            def listener() -> bool:
+                log.append(f"offer {handle.request_id}")
+                handle.take_batch()
+                # what a connection does when a pass queues its first frame: ask once
+                assert bridge.at_pass_end(lambda: log.append(f"flush {handle.request_id}"))
+                return True
+            return listener
+
+        a.listener, b.listener = listener_of(a), listener_of(b)
+        _pass(bridge, [_tok("a", 0), _tok("b", 0)])
+        assert log == ["offer a", "offer b", "flush a", "flush b"]
+        assert not bridge.at_pass_end(lambda: None)  # the pass is over

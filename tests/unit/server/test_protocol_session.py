@@ -1,0 +1,128 @@
+"""ProtocolConnection's writes: frames queued during an engine delivery pass go to the transport
+once, at the pass's end, without waking the writer task; what the transport cannot take at once,
+and anything queued outside a pass, is left to the writer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import trio
+
+from seedance.protocol import ClientConnection, DeltaReceived, ProtocolLimits, StreamOpened
+from seedance.server.protocol_session import ProtocolConnection
+
+
+class FakeBridge:
+    """Collects pass-end callbacks while `in_pass`, like EngineBridge during `_deliver`."""
+
+    def __init__(self) -> None:
+        self.in_pass = False
+        self.pass_end: list[Callable[[], None]] = []
+
+    def at_pass_end(self, callback: Callable[[], None]) -> bool:
+        if self.in_pass:
+            self.pass_end.append(callback)
+        return self.in_pass
+
+    def end_pass(self) -> None:
+        callbacks, self.pass_end, self.in_pass = self.pass_end, [], False
+        for callback in callbacks:
+            callback()
+
+
+class FakeTransport:
+    """Records writes; `takes` says whether `send_nowait` accepts everything."""
+
+    closed_cleanly = False
+
+    def __init__(self, takes: bool = True) -> None:
+        self.takes = takes
+        self.nowait: list[bytes] = []
+
+    def send_nowait(self, data: bytes) -> bool:
+        self.nowait.append(data)
+        return self.takes
+
+
+class FakeContext:
+    """What ProtocolConnection reads of a ServerContext before it serves."""
+
+    def __init__(self, bridge: FakeBridge) -> None:
+        self.config = SimpleNamespace(protocol=ProtocolLimits())
+        self.bridge = bridge
+
+
+class Served(SimpleNamespace):
+    connection: ProtocolConnection
+    client: ClientConnection
+    bridge: FakeBridge
+    transport: FakeTransport
+    stream: int
+
+
+def served_stream(takes: bool = True) -> Served:
+    """A ProtocolConnection (not running its tasks) with a welcomed session and one accepted
+    stream, and the client at the other end."""
+    bridge = FakeBridge()
+    ctx = FakeContext(bridge)
+    transport = FakeTransport(takes)
+    connection = ProtocolConnection(ctx, transport, "msgpack")  # type: ignore[arg-type]
+    client = ClientConnection()
+    client.send_hello()
+    connection.conn.receive_data(client.data_to_send(0.0), 0.0)
+    connection.conn.next_event()  # hello
+    connection.conn.welcome(None)
+    client.receive_data(connection.conn.data_to_send(0.0), 0.0)
+    stream = client.open_stream(prompt="x")
+    connection.conn.receive_data(client.data_to_send(0.0), 0.0)
+    assert isinstance(connection.conn.next_event(), StreamOpened)
+    connection.conn.accept_stream(stream, token_quota=100, batch_size=1)
+    client.receive_data(connection.conn.data_to_send(0.0), 0.0)
+    client.events()
+    return Served(connection=connection, client=client, bridge=bridge, transport=transport,
+                  stream=stream)
+
+
+async def test_a_pass_is_written_once_at_its_end_without_the_writer() -> None:
+    served = served_stream()
+    connection, bridge = served.connection, served.bridge
+    bridge.in_pass = True
+    for i in range(3):  # three streams' worth of frames in one pass: one flush
+        connection.conn.send_delta(served.stream, f"t{i}", (i,))
+        connection.kick()
+    assert len(bridge.pass_end) == 1 and served.transport.nowait == []
+    bridge.end_pass()
+    assert len(served.transport.nowait) == 1
+    assert not connection._dirty.is_set() and not connection._backlog
+    served.client.receive_data(served.transport.nowait[0], 0.0)
+    texts = [e.text for e in served.client.events() if isinstance(e, DeltaReceived)]
+    assert texts == ["t0", "t1", "t2"]
+
+
+async def test_what_the_transport_does_not_take_is_left_to_the_writer() -> None:
+    served = served_stream(takes=False)
+    connection, bridge = served.connection, served.bridge
+    bridge.in_pass = True
+    connection.conn.send_delta(served.stream, "t", (1,))
+    connection.kick()
+    bridge.end_pass()
+    assert connection._dirty.is_set() and connection._backlog
+
+
+async def test_outside_a_pass_a_kick_wakes_the_writer() -> None:
+    served = served_stream()
+    served.connection.conn.send_delta(served.stream, "t", (1,))
+    served.connection.kick()
+    assert served.connection._dirty.is_set() and served.transport.nowait == []
+
+
+async def test_a_send_that_arms_an_earlier_deadline_wakes_the_timer_task() -> None:
+    served = served_stream()
+    connection, bridge = served.connection, served.bridge
+    connection._timer_deadline = trio.current_time() + 3600.0  # the heartbeat, say
+    bridge.in_pass = True
+    connection.conn.send_delta(served.stream, "t", (1,))  # arms the retransmission timer
+    connection.kick()
+    bridge.end_pass()
+    assert connection._timer_changed.is_set()
