@@ -123,6 +123,16 @@ class SendWindow(Generic[T]):
     def unacked(self) -> int:
         return self.next_seq - self._acked
 
+    @property
+    def in_flight(self) -> int:
+        """Frames handed to the transport and not yet acknowledged."""
+        return self._handed - self._acked
+
+    @property
+    def handed(self) -> int:
+        """Every frame below this seq has been handed to the transport."""
+        return self._handed
+
     def push(self, frame: T) -> int:
         """Number `frame` with the next sequence number and keep it until acknowledged."""
         seq = self.next_seq

@@ -3,10 +3,13 @@
 write) and the timer task (driven by `next_deadline()`), plus the drain watcher. Events are
 turned into session actions: hello/resume, opens (stream pumps), cancel, credit, timeouts.
 Frames queued during an engine delivery pass are written at the pass's end, from the pass,
-without waking the writer, when the transport takes them at once."""
+without waking the writer, when the transport takes them at once — unless the peer has not yet
+acknowledged MAX_WRITES_IN_FLIGHT earlier writes: then they wait for its next ack and go out
+together (ACK clocking: a slow reader gets fewer, larger writes instead of a backlog)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -43,6 +46,11 @@ log = logging.getLogger("seedance.server.protocol")
 CLOSE_GOING_AWAY = 1001
 CLOSE_SECONDS = 2.0
 """Bound on the last flush and on the close handshake of a transport we close."""
+MAX_WRITES_IN_FLIGHT = 3
+"""Writes the peer may leave unacknowledged before a delivery pass's frames wait for its ack."""
+PEER_ACK_FRAMES = 16
+"""A peer acknowledges at least every this many reliable frames (protocol-v1 §3), so waiting
+for its ack is only done while this many are in flight (never on a delayed ack)."""
 
 
 class FrameTransport(Protocol):
@@ -88,7 +96,9 @@ class ProtocolConnection:
         self._sending = False
         """A write was interrupted: the transport's byte stream is cut mid-message."""
         self._flush_queued = False
-        """`_flush_now` will run at the end of the current delivery pass."""
+        """`_flush_at_pass_end` will run at the end of the current delivery pass."""
+        self._writes: collections.deque[int] = collections.deque()
+        """The send window's `handed` after each write not yet fully acknowledged."""
         self._backlog = False
         """`send_nowait` left bytes in the transport for the writer."""
 
@@ -99,26 +109,51 @@ class ProtocolConnection:
         end (one message per pass, no task switch); otherwise the writer wakes."""
         if self._flush_queued:
             return
-        if self.ctx.bridge.at_pass_end(self._flush_now):
+        if self.ctx.bridge.at_pass_end(self._flush_at_pass_end):
             self._flush_queued = True
         else:
             self._dirty.set()
 
+    def _flush_at_pass_end(self) -> None:
+        self._flush_queued = False
+        if not self._peer_behind():
+            self._flush_now()
+        # else the peer's next ack (`_after_input`) writes these frames with the next ones
+
+    def _peer_behind(self) -> bool:
+        """The peer has not acknowledged MAX_WRITES_IN_FLIGHT earlier writes (and owes an ack
+        at once, PEER_ACK_FRAMES being in flight): it is still reading them."""
+        session = self.conn.session
+        if session is None:
+            return False
+        send = session.send
+        writes = self._writes
+        acked = send.acked
+        while writes and writes[0] <= acked:
+            writes.popleft()
+        return len(writes) >= MAX_WRITES_IN_FLIGHT and send.in_flight >= PEER_ACK_FRAMES
+
     def _flush_now(self) -> None:
         """Write what `conn` queued straight to the transport; what it does not take at once
         is left to the writer (as is everything while the connection is closing)."""
-        self._flush_queued = False
         if self.close_code is not None:
             self._dirty.set()
             return
         try:
             data = self.conn.data_to_send(trio.current_time())
-            if data and not self.transport.send_nowait(data):
-                self._backlog = True
-                self._dirty.set()
+            if data:
+                self._wrote()
+                if not self.transport.send_nowait(data):
+                    self._backlog = True
+                    self._dirty.set()
             self._deadline_may_have_moved()
         except Exception as exc:  # a bug: this connection ends, the server goes on
             self._internal_error(exc)
+
+    def _wrote(self) -> None:
+        session = self.conn.session
+        if session is not None:
+            self._writes.append(session.send.handed)
 
     def _deadline_may_have_moved(self) -> None:
         """Wake the timer task only when a send armed a deadline earlier than its own."""
@@ -226,8 +261,8 @@ class ProtocolConnection:
         self._scope.cancel()
 
     def _after_input(self) -> None:
-        self._dirty.set()
-        self._deadline_may_have_moved()
+        """Answer at once (acks, pongs, and frames that waited for the peer's ack)."""
+        self._flush_now()
 
     def _protocol_error(self, exc: RemoteProtocolError, *, from_transport: bool = False) -> None:
         self.ctx.metrics.protocol_error(exc.code)
@@ -243,6 +278,8 @@ class ProtocolConnection:
             await self._dirty.wait()
             self._dirty = trio.Event()
             data = conn.data_to_send(trio.current_time())
+            if data:
+                self._wrote()
             if data or self._backlog:
                 self._sending = True
                 self._backlog = False

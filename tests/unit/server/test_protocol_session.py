@@ -1,6 +1,7 @@
 """ProtocolConnection's writes: frames queued during an engine delivery pass go to the transport
 once, at the pass's end, without waking the writer task; what the transport cannot take at once,
-and anything queued outside a pass, is left to the writer."""
+and anything queued outside a pass, is left to the writer; while the peer has not acknowledged
+MAX_WRITES_IN_FLIGHT writes (and owes an ack), a pass's frames wait for that ack."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from types import SimpleNamespace
 import trio
 
 from seedance.protocol import ClientConnection, DeltaReceived, ProtocolLimits, StreamOpened
-from seedance.server.protocol_session import ProtocolConnection
+from seedance.server.protocol_session import (
+    MAX_WRITES_IN_FLIGHT,
+    PEER_ACK_FRAMES,
+    ProtocolConnection,
+)
 
 
 class FakeBridge:
@@ -126,3 +131,42 @@ async def test_a_send_that_arms_an_earlier_deadline_wakes_the_timer_task() -> No
     connection.kick()
     bridge.end_pass()
     assert connection._timer_changed.is_set()
+
+
+def run_pass(served: Served, deltas: int) -> None:
+    """One delivery pass queuing `deltas` frames on the stream."""
+    served.bridge.in_pass = True
+    for _ in range(deltas):
+        served.connection.conn.send_delta(served.stream, "t", (1,))
+        served.connection.kick()
+    served.bridge.end_pass()
+
+
+async def test_a_pass_waits_for_the_peers_ack_while_it_is_writes_behind() -> None:
+    served = served_stream()
+    connection, client, transport = served.connection, served.client, served.transport
+    per_pass = PEER_ACK_FRAMES // MAX_WRITES_IN_FLIGHT + 1  # the peer owes an ack at once
+    for _ in range(MAX_WRITES_IN_FLIGHT):
+        run_pass(served, per_pass)
+    assert len(transport.nowait) == MAX_WRITES_IN_FLIGHT
+    run_pass(served, 2)
+    run_pass(served, 2)
+    assert len(transport.nowait) == MAX_WRITES_IN_FLIGHT  # held: the peer is still reading
+    assert not connection._dirty.is_set()
+    for write in transport.nowait:
+        client.receive_data(write, 0.0)
+    client.events()
+    connection.conn.receive_data(client.data_to_send(0.0), 0.0)  # its ack
+    connection._after_input()
+    assert len(transport.nowait) == MAX_WRITES_IN_FLIGHT + 1  # both held passes, one write
+    client.receive_data(transport.nowait[-1], 0.0)
+    assert [e.index for e in client.events() if isinstance(e, DeltaReceived)] == [
+        MAX_WRITES_IN_FLIGHT * per_pass + i for i in range(4)
+    ]
+
+
+async def test_a_peer_that_owes_no_ack_yet_is_never_waited_for() -> None:
+    served = served_stream()
+    for _ in range(MAX_WRITES_IN_FLIGHT + 2):  # one frame each: its ack may come late (§3)
+        run_pass(served, 1)
+    assert len(served.transport.nowait) == MAX_WRITES_IN_FLIGHT + 2
