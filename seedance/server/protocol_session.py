@@ -98,7 +98,8 @@ class ProtocolConnection:
         self._flush_queued = False
         """`_flush_at_pass_end` will run at the end of the current delivery pass."""
         self._writes: collections.deque[int] = collections.deque()
-        """The send window's `handed` after each write not yet fully acknowledged."""
+        """The send window's `handed` after each write of reliable frames not yet all
+        acknowledged (increasing; bounded by the frame window)."""
         self._backlog = False
         """`send_nowait` left bytes in the transport for the writer."""
 
@@ -127,11 +128,13 @@ class ProtocolConnection:
         if session is None:
             return False
         send = session.send
+        self._forget_acked_writes(send.acked)
+        return len(self._writes) >= MAX_WRITES_IN_FLIGHT and send.in_flight >= PEER_ACK_FRAMES
+
+    def _forget_acked_writes(self, acked: int) -> None:
         writes = self._writes
-        acked = send.acked
         while writes and writes[0] <= acked:
             writes.popleft()
-        return len(writes) >= MAX_WRITES_IN_FLIGHT and send.in_flight >= PEER_ACK_FRAMES
 
     def _flush_now(self) -> None:
         """Write what `conn` queued straight to the transport; what it does not take at once
@@ -151,9 +154,16 @@ class ProtocolConnection:
             self._internal_error(exc)
 
     def _wrote(self) -> None:
+        """Count a write that handed new reliable frames over (control frames alone are not
+        acknowledged, so they never count); at most one entry per unacknowledged frame."""
         session = self.conn.session
-        if session is not None:
-            self._writes.append(session.send.handed)
+        if session is None:
+            return
+        send = session.send
+        self._forget_acked_writes(send.acked)
+        writes = self._writes
+        if send.handed > (writes[-1] if writes else send.acked):
+            writes.append(send.handed)
 
     def _deadline_may_have_moved(self) -> None:
         """Wake the timer task only when a send armed a deadline earlier than its own."""

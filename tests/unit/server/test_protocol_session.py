@@ -170,3 +170,20 @@ async def test_a_peer_that_owes_no_ack_yet_is_never_waited_for() -> None:
     for _ in range(MAX_WRITES_IN_FLIGHT + 2):  # one frame each: its ack may come late (§3)
         run_pass(served, 1)
     assert len(served.transport.nowait) == MAX_WRITES_IN_FLIGHT + 2
+
+
+async def test_writes_are_forgotten_once_acknowledged_and_control_frames_never_count() -> None:
+    served = served_stream()
+    connection, client = served.connection, served.client
+    for _ in range(MAX_WRITES_IN_FLIGHT):
+        run_pass(served, 1)
+    assert len(connection._writes) == MAX_WRITES_IN_FLIGHT
+    for write in served.transport.nowait:
+        client.receive_data(write, 0.0)
+    client.handle_timers(1.0)  # its delayed ack
+    connection.conn.receive_data(client.data_to_send(1.0), 1.0)
+    connection._after_input()
+    assert len(connection._writes) == 0
+    connection.conn.handle_timers(1000.0)  # heartbeats due: pings, control frames only
+    connection._flush_now()
+    assert len(connection._writes) == 0
