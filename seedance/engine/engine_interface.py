@@ -57,6 +57,10 @@ class EngineInterface(Protocol):
     def encode(self, text: str) -> list[int]:
         """Token ids of a plain prompt (with the BOS token if the model uses one)."""
 
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens included (for logprobs). A token holding
+        part of a UTF-8 character decodes to U+FFFD."""
+
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters and gauges."""
 

@@ -122,6 +122,9 @@ class EngineThread:
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         return self.engine.tokenizer.encode_chat(messages)
 
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.token_text(token_id)
+
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step."""
         return self._stats

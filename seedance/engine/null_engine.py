@@ -291,6 +291,9 @@ class NullEngine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.render_chat(messages))
 

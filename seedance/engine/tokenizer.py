@@ -39,6 +39,10 @@ class Tokenizer:
             raise invalid("prompt", "must be a string or a list of token ids")
         return list(self.hf.encode(text, add_special_tokens=True))
 
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens included."""
+        return str(self.hf.decode([token_id], skip_special_tokens=False))
+
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of `messages` under the chat template, generation prompt appended."""
         if not messages:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -150,6 +151,7 @@ async def _generate(
                 chat=chat,
                 include_usage=parsed.include_usage,
                 logprobs=params.logprobs,
+                token_text=ctx.engine.token_text,
             )
             if parsed.stream:
                 await exchange.start_stream(200, "text/event-stream", SSE_HEADERS + headers)
@@ -166,13 +168,21 @@ class _Shape:
     """How one response's JSON looks; the common SSE content chunk is pre-encoded."""
 
     def __init__(
-        self, response_id: str, model: str, *, chat: bool, include_usage: bool, logprobs: int | None
+        self,
+        response_id: str,
+        model: str,
+        *,
+        chat: bool,
+        include_usage: bool,
+        logprobs: int | None,
+        token_text: Callable[[int], str],
     ) -> None:
         self.id = response_id
         self.model = model
         self.chat = chat
         self.include_usage = include_usage
         self.logprobs = logprobs
+        self.token_text = token_text
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
         head = msgspec.json.encode(
@@ -228,35 +238,45 @@ class _Shape:
             if delta.logprobs:
                 tokens.extend(delta.token_ids)
                 entries.extend(delta.logprobs)
-        return logprobs_json(tokens, entries, chat=self.chat)
+        return logprobs_json(tokens, entries, chat=self.chat, token_text=self.token_text)
 
 
-def _token_name(token: int) -> str:
-    return f"token_id:{token}"
+def _token_bytes(text: str) -> list[int] | None:
+    """OpenAI's `bytes` of a token: its UTF-8 bytes, or None when it decoded alone to U+FFFD
+    (part of a character: its true bytes are not known here)."""
+    return None if "\ufffd" in text else list(text.encode())
 
 
-def logprobs_json(tokens: list[int], entries: list[dict[int, float]], *, chat: bool) -> Any:
-    """OpenAI logprobs objects; tokens are named `token_id:N` (the engine interface exposes no
-    detokenizer for single tokens, as vLLM's --return-tokens-as-token-ids)."""
+def logprobs_json(
+    tokens: list[int],
+    entries: list[dict[int, float]],
+    *,
+    chat: bool,
+    token_text: Callable[[int], str],
+) -> Any:
+    """OpenAI logprobs objects, each token named by its text decoded alone (`token_text`)."""
     if chat:
         content = []
         for token, entry in zip(tokens, entries, strict=False):
             top = sorted(entry.items(), key=lambda kv: -kv[1])
+            text = token_text(token)
             content.append(
                 {
-                    "token": _token_name(token),
+                    "token": text,
                     "logprob": entry.get(token, top[0][1] if top else 0.0),
-                    "bytes": None,
+                    "bytes": _token_bytes(text),
                     "top_logprobs": [
-                        {"token": _token_name(t), "logprob": lp, "bytes": None} for t, lp in top
+                        {"token": (t_text := token_text(t)), "logprob": lp,
+                         "bytes": _token_bytes(t_text)}
+                        for t, lp in top
                     ],
                 }
             )
         return {"content": content}
     return {
-        "tokens": [_token_name(t) for t in tokens],
+        "tokens": [token_text(t) for t in tokens],
         "token_logprobs": [e.get(t, 0.0) for t, e in zip(tokens, entries, strict=False)],
-        "top_logprobs": [{_token_name(t): lp for t, lp in e.items()} for e in entries],
+        "top_logprobs": [{token_text(t): lp for t, lp in e.items()} for e in entries],
         "text_offset": [],
     }
 

@@ -115,6 +115,7 @@ def test_completion_logprobs_are_returned(client: openai.OpenAI) -> None:
     logprobs = reply.choices[0].logprobs
     assert logprobs is not None and len(logprobs.tokens or []) == 4
     assert all(len(top) == 3 for top in logprobs.top_logprobs or [])
+    assert "".join(logprobs.tokens or []) == reply.choices[0].text  # tokens named by their text
 
 
 def test_chat_logprobs_are_returned(client: openai.OpenAI) -> None:
@@ -125,6 +126,10 @@ def test_chat_logprobs_are_returned(client: openai.OpenAI) -> None:
     content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 3
     assert all(len(entry.top_logprobs) == 3 for entry in content)
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    assert all(entry.bytes == list(entry.token.encode()) for entry in content)
+    assert all(top.token and top.bytes == list(top.token.encode())
+               for entry in content for top in entry.top_logprobs)
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:

@@ -213,6 +213,16 @@ def test_encode_and_chat_template(engine):
     assert err.value.param == "messages[0].role"
 
 
+def test_token_text_names_one_token_as_it_decodes_alone(engine):
+    et, _ = engine
+    ids = et.engine.tokenizer.hf.encode("hello é", add_special_tokens=False)
+    texts = [et.token_text(t) for t in ids]
+    assert "".join(texts).startswith("hello")
+    assert any("\ufffd" in text for text in texts)  # é is split into byte tokens
+    im_end = et.engine.tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
+    assert et.token_text(im_end) == "<|im_end|>"  # special tokens are named, not dropped
+
+
 def test_shutdown_cancels_live_requests_and_is_idempotent(llama_dir):
     et = EngineThread(
         EngineConfig(model=str(llama_dir), device="cpu", kv_cache_gb=0.01, block_size=16)

@@ -82,6 +82,10 @@ def test_tokenizer_is_byte_level_with_bos(engine: NullEngine) -> None:
     assert engine.tokenizer.decode([BOS_ID, 104], skip_special_tokens=False) == "<s>h"
 
 
+def test_token_text_names_one_token_as_it_decodes_alone(engine: NullEngine) -> None:
+    assert [engine.token_text(t) for t in (104, EOS_ID, 195)] == ["h", "</s>", "\ufffd"]
+
+
 def test_chat_template_renders_roles_and_generation_prompt(engine: NullEngine) -> None:
     ids = engine.encode_chat(
         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
