@@ -183,6 +183,8 @@ class _Shape:
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.token_text = token_text
+        self.text_offset = 0
+        """Characters of the completion named by logprobs tokens so far (`text_offset`)."""
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
         head = msgspec.json.encode(
@@ -238,7 +240,12 @@ class _Shape:
             if delta.logprobs:
                 tokens.extend(delta.token_ids)
                 entries.extend(delta.logprobs)
-        return logprobs_json(tokens, entries, chat=self.chat, token_text=self.token_text)
+        result = logprobs_json(tokens, entries, chat=self.chat, token_text=self.token_text,
+                               text_offset=self.text_offset)
+        if not self.chat:
+            names = result["tokens"]
+            self.text_offset += sum(len(name) for name in names)
+        return result
 
 
 def _token_bytes(text: str) -> list[int] | None:
@@ -253,8 +260,10 @@ def logprobs_json(
     *,
     chat: bool,
     token_text: Callable[[int], str],
+    text_offset: int = 0,
 ) -> Any:
-    """OpenAI logprobs objects, each token named by its text decoded alone (`token_text`)."""
+    """OpenAI logprobs objects, each token named by its text decoded alone (`token_text`);
+    completions' `text_offset` counts the characters of those names from `text_offset`."""
     if chat:
         content = []
         for token, entry in zip(tokens, entries, strict=False):
@@ -273,11 +282,16 @@ def logprobs_json(
                 }
             )
         return {"content": content}
+    names = [token_text(t) for t in tokens]
+    offsets = []
+    for name in names:
+        offsets.append(text_offset)
+        text_offset += len(name)
     return {
-        "tokens": [token_text(t) for t in tokens],
+        "tokens": names,
         "token_logprobs": [e.get(t, 0.0) for t, e in zip(tokens, entries, strict=False)],
         "top_logprobs": [{token_text(t): lp for t, lp in e.items()} for e in entries],
-        "text_offset": [],
+        "text_offset": offsets,
     }
 
 

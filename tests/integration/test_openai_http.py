@@ -116,6 +116,20 @@ def test_completion_logprobs_are_returned(client: openai.OpenAI) -> None:
     assert logprobs is not None and len(logprobs.tokens or []) == 4
     assert all(len(top) == 3 for top in logprobs.top_logprobs or [])
     assert "".join(logprobs.tokens or []) == reply.choices[0].text  # tokens named by their text
+    assert logprobs.text_offset == [0, 1, 2, 3]  # the null engine's tokens are one character
+
+
+def test_streamed_completion_logprobs_offsets_run_across_chunks(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(model="null", prompt="x", max_tokens=6, logprobs=1,
+                                            stream=True))
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens or []
+            offsets += chunk.choices[0].logprobs.text_offset or []
+    assert len(tokens) == 6
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(6)]
 
 
 def test_chat_logprobs_are_returned(client: openai.OpenAI) -> None:
