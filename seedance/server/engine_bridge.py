@@ -408,7 +408,10 @@ class EngineBridge:
         finally:
             callbacks, self._pass_end = self._pass_end, None
             for callback in callbacks:
-                callback()
+                try:
+                    callback()
+                except Exception:  # one connection's bug must not stall the others' writes
+                    log.exception("pass_end_callback_failed")
 
     def _fan_out(self, step: StepOutput, now: float) -> None:
         if self._last_step_at is not None:

@@ -308,3 +308,25 @@ async def test_pass_end_callbacks_run_once_after_every_handle_was_offered() -> N
         _pass(bridge, [_tok("a", 0), _tok("b", 0)])
         assert log == ["offer a", "offer b", "flush a", "flush b"]
         assert not bridge.at_pass_end(lambda: None)  # the pass is over
+
+
+async def test_a_failing_pass_end_callback_does_not_stop_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bridge = _idle_bridge()
+    ran: list[str] = []
+    async with bridge.open_request([256, 1], SamplingParams(max_tokens=10),
+                                   request_id="a") as handle:
+        def listener() -> bool:
+            handle.take_batch()
+
+            def broken() -> None:
+                raise RuntimeError("connection bug")
+
+            bridge.at_pass_end(broken)
+            bridge.at_pass_end(lambda: ran.append("next"))
+            return True
+
+        handle.listener = listener
+        _pass(bridge, [_tok("a", 0)])
+    assert ran == ["next"] and "pass_end_callback_failed" in caplog.text
