@@ -15,7 +15,7 @@ from ._connection import (
     _PendingPong,
     _violation,
 )
-from ._framing import _unpack_header_from
+from ._framing import SMALL_FRAME, SMALL_HEADERS, _unpack_header_from, pack_header
 from ._heartbeat import CONNECTION, SESSION, Key
 from ._session import Role, SessionState
 from ._stream_state import StreamRecord, next_state
@@ -230,26 +230,47 @@ class ClientConnection(_Connection):
     def receive_data(self, data: bytes | bytearray | memoryview, now: float) -> None:
         """Feed bytes from the transport (see `_Connection.receive_data`).
 
-        The per-token hot path is inlined here: each whole frame of the read that holds the
+        The per-token hot path is inlined here: a read of exactly one whole frame holding the
         next in-order `delta` of an accepted stream, within its credit (§1, §6, §9), is applied
-        in this loop, and one ack (when due) covers the read. At the first frame that is
-        anything else, including every error and a frame cut by the read's end, the rest of the
-        read takes the general path, which checks and reports it.
+        at once; a read of several frames goes to `_receive_frames`. Anything else, including
+        every error, takes the general path, which checks and reports it.
         """
         session = self._live
         if session is None or self._pending_input:
             super().receive_data(data, now)
             return
+        size = len(data)
+        if not HEADER_SIZE < size <= self._max_frame_size or data[:8] != (
+            SMALL_HEADERS[size - 8] if size - 8 < SMALL_FRAME else pack_header(MAGIC, size - 8)
+        ):
+            self._receive_frames(data, now, session)
+            return
+        try:
+            message = self._raw_decode(data[8:])
+        except msgspec.MsgspecError:
+            message = None
+        self._now = now
+        if type(message) is Delta and self._take_delta(message, session, now):
+            if session.recv.immediate:
+                self._write_ack()
+            return
+        super().receive_data(data, now)
+
+    def _receive_frames(
+        self, data: bytes | bytearray | memoryview, now: float, session: SessionState
+    ) -> None:
+        """A read of several frames: each whole frame holding the next in-order `delta` is
+        applied in this loop, and one ack (when due) covers the read. At the first frame that
+        is anything else — another message, an error, a frame cut by the read's end — the rest
+        of the read takes the general path."""
         self._now = now
         if type(data) is not bytes:
             data = bytes(data)  # the views below must not pin a caller's bytearray
         size = len(data)
         view = memoryview(data)
         raw_decode = self._raw_decode
+        take_delta = self._take_delta
         max_payload = self._max_frame_size - HEADER_SIZE
-        recv = session.recv
-        streams = session.streams
-        events = self._events
         offset = 0
         while size - offset > HEADER_SIZE:
             magic, length = _unpack_header_from(data, offset)
@@ -260,36 +281,32 @@ class ClientConnection(_Connection):
                 message = raw_decode(view[offset + HEADER_SIZE : end])
             except msgspec.MsgspecError:
                 break
-            if type(message) is not Delta:
+            if type(message) is not Delta or not take_delta(message, session, now):
                 break
-            record = streams.get(message.stream)
-            if (
-                message.seq != recv.ack
-                or recv._held
-                or record is None
-                or not record.flowing
-            ):
-                break
-            index = message.index
-            tokens = message.tokens
-            last = index + len(tokens)
-            limit = record.limit
-            if index != record.sent or (limit is not None and last > limit):
-                break
-            # everything checked: the same effects as ReceiveWindow.take_next + _apply_delta
-            record.sent = last
-            recv.ack = message.seq + 1
-            events.append(DeltaReceived(message.stream, index, message.text, tokens))
-            recv._unacked += 1
-            if recv._unacked >= recv._ack_every:
-                recv.immediate = True
-            elif recv.deadline is None:
-                recv.deadline = now + recv._ack_delay
             offset = end
         if offset < size:
             super().receive_data(view[offset:] if offset else data, now)  # writes a due ack
-        elif recv.immediate and self._live is session:
+        elif session.recv.immediate and self._live is session:
             self._write_ack()
+
+    def _take_delta(self, message: Delta, session: SessionState, now: float) -> bool:
+        """Apply `message` when it is the next in-order delta of an accepted stream, within its
+        credit — the same effects as ReceiveWindow.take_next + _apply_delta, the ack counted
+        but not written — and return True; else change nothing and return False."""
+        record = session.streams.get(message.stream)
+        if record is None or not record.flowing:
+            return False
+        index = message.index
+        tokens = message.tokens
+        end = index + len(tokens)
+        limit = record.limit
+        if index != record.sent or (limit is not None and end > limit):
+            return False
+        if not session.recv.take_next(message.seq, now):
+            return False
+        record.sent = end
+        self._events.append(DeltaReceived(message.stream, index, message.text, tokens))
+        return True
 
     def _receive_payload(self, payload: bytes | bytearray | memoryview, now: float) -> None:
         try:
