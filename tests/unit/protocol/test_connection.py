@@ -23,8 +23,9 @@ from seedance.protocol import (
     Usage,
     Welcomed,
 )
-from seedance.protocol._framing import FrameDecoder, encode_frame
+from seedance.protocol._framing import encode_frame
 from seedance.protocol.messages import Ack, PayloadCodec
+from tests.conformance.pair import frames_of
 
 
 def handshake() -> tuple[ClientConnection, ServerConnection]:
@@ -192,12 +193,8 @@ def client_view(client: ClientConnection) -> list[tuple[object, ...]]:
 def acks_sent(client: ClientConnection, now: float) -> list[Ack]:
     """The acks in what the client sends now."""
     codec = PayloadCodec("msgpack")
-    messages = [codec.decode(p) for p in FrameDecoder(1 << 30).feed(client.data_to_send(now))]
+    messages = [codec.decode(p) for p in frames_of(client.data_to_send(now))]
     return [m for m in messages if isinstance(m, Ack)]
-
-
-def frames_of(data: bytes) -> list[bytes]:
-    return list(FrameDecoder(1 << 30).feed(data))
 
 
 @given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
