@@ -72,8 +72,8 @@ def serve_seedance(port: int) -> None:
 
     from seedance.config import build_config
     from seedance.engine.null_engine import NullEngine
-    from seedance.server.interpreter_tuning import tune_interpreter
     from seedance.server.main import Server, load_gateways
+    from seedance.server.ops.interpreter_tuning import tune_interpreter
 
     config = build_config({
         "server": {"port": port, "max_concurrent_requests": BATCH},
@@ -98,7 +98,7 @@ def serve_fastapi(port: int) -> None:
     from seedance.engine.null_engine import NullEngine
     from seedance.engine.outputs import StepOutput
     from seedance.engine.sampling_params import SamplingParams
-    from seedance.server.interpreter_tuning import tune_interpreter
+    from seedance.server.ops.interpreter_tuning import tune_interpreter
 
     config = build_config({"engine": ENGINE})
     engine = NullEngine(config.engine)
@@ -171,7 +171,7 @@ def serve_fastapi(port: int) -> None:
 def run_client(kind: str, port: int, streams: int, seconds: float) -> dict[str, Any]:
     import trio
 
-    from seedance.server.interpreter_tuning import tune_interpreter
+    from seedance.server.ops.interpreter_tuning import tune_interpreter
 
     gaps = array.array("d")
     """One entry per arrival (an array, not a list: no garbage-collector pauses in the

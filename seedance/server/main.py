@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import importlib
-import importlib.util
 import logging
 import os
 import signal
@@ -22,16 +20,18 @@ from seedance.config import SeedanceConfig
 from seedance.engine.config import ConfigError
 from seedance.engine.engine_interface import EngineInterface
 from seedance.engine.errors import EngineError
-from seedance.server import openai_api, ops_routes
-from seedance.server.engine_bridge import EngineBridge
-from seedance.server.engine_factory import create_engine
-from seedance.server.http_server import Routes, serve_http_connection
-from seedance.server.interpreter_tuning import release_interpreter, tune_interpreter
-from seedance.server.metrics import ServerMetrics
+from seedance.server.bridge.engine_bridge import EngineBridge
+from seedance.server.bridge.engine_factory import create_engine
+from seedance.server.gateway.tcp import serve_tcp
+from seedance.server.gateway.websocket import serve_websocket
+from seedance.server.http import openai_api, ops_routes
+from seedance.server.http.h11_server import Routes, serve_http_connection
+from seedance.server.ops.interpreter_tuning import release_interpreter, tune_interpreter
+from seedance.server.ops.metrics import ServerMetrics
+from seedance.server.ops.server_trace import ServerTrace, server_trace_path
+from seedance.server.ops.structured_log import configure_logging, log_event
+from seedance.server.ops.tls import apply_socket_options, server_ssl_context
 from seedance.server.server_context import Gateways, ServerContext
-from seedance.server.server_trace import ServerTrace, server_trace_path
-from seedance.server.structured_log import configure_logging, log_event
-from seedance.server.transport_security import apply_socket_options, server_ssl_context
 
 log = logging.getLogger("seedance.server")
 
@@ -46,14 +46,8 @@ ConnectionHandler = Callable[[trio.abc.Stream], Awaitable[None]]
 
 
 def load_gateways() -> Gateways:
-    """The protocol gateways of this build: `seedance.server.ws_gateway.serve_websocket` and
-    `seedance.server.tcp_gateway.serve_tcp`, each when its module exists."""
-    gateways = Gateways()
-    if importlib.util.find_spec("seedance.server.ws_gateway") is not None:
-        gateways.websocket = importlib.import_module("seedance.server.ws_gateway").serve_websocket
-    if importlib.util.find_spec("seedance.server.tcp_gateway") is not None:
-        gateways.tcp = importlib.import_module("seedance.server.tcp_gateway").serve_tcp
-    return gateways
+    """The protocol gateways: WebSocket (`/v2/infer` on the HTTP port) and raw TCP."""
+    return Gateways(websocket=serve_websocket, tcp=serve_tcp)
 
 
 def api_keys_from_env() -> frozenset[str]:

@@ -16,9 +16,9 @@ import trio
 
 from seedance.config import SeedanceConfig
 from seedance.engine.engine_interface import EngineInterface
-from seedance.server.engine_bridge import EngineBridge
-from seedance.server.metrics import ServerMetrics
-from seedance.server.server_trace import ServerTrace
+from seedance.server.bridge.engine_bridge import EngineBridge
+from seedance.server.ops.metrics import ServerMetrics
+from seedance.server.ops.server_trace import ServerTrace
 
 WebSocketHandler = Callable[["ServerContext", trio.abc.Stream, h11.Request, bytes], Awaitable[None]]
 """`await handler(ctx, stream, request, trailing)`: owns the connection after an HTTP upgrade

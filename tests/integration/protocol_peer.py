@@ -132,7 +132,7 @@ def engine_server(tree: dict[str, Any]) -> Iterator[Any]:
     import trio
 
     from seedance.config import build_config
-    from seedance.server.engine_factory import create_engine
+    from seedance.server.bridge.engine_factory import create_engine
     from seedance.server.main import Server, load_gateways
 
     config = build_config({"server": {"port": 0, "tcp_port": 0, **tree.get("server", {})},

@@ -23,7 +23,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from seedance.config import build_config
-from seedance.server.engine_factory import create_engine
+from seedance.server.bridge.engine_factory import create_engine
 from seedance.server.main import load_gateways
 from seedance.server.server_context import Gateways, ServerContext
 from tests.integration.running_server import running_server

@@ -7,7 +7,7 @@ import trio
 import trio.testing
 
 from seedance.engine.errors import EngineError
-from seedance.server.admission import AdmissionSlots
+from seedance.server.bridge.admission import AdmissionSlots
 
 
 async def test_slots_up_to_the_limit_are_granted_at_once() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from seedance.server.batch_negotiation import Adoption, LoadSnapshot, negotiate
+from seedance.server.bridge.batch_negotiation import Adoption, LoadSnapshot, negotiate
 
 LOAD = LoadSnapshot(max_batch_size=64, max_model_len=1000, num_running=9, step_seconds=0.01)
 

@@ -16,9 +16,9 @@ from seedance.engine.errors import EngineError
 from seedance.engine.null_engine import NullEngine
 from seedance.engine.outputs import EngineStats, RequestDelta, StepOutput
 from seedance.engine.sampling_params import SamplingParams
-from seedance.server import engine_bridge
-from seedance.server.engine_bridge import EngineBridge, RequestHandle
-from seedance.server.metrics import ServerMetrics
+from seedance.server.bridge import engine_bridge
+from seedance.server.bridge.engine_bridge import EngineBridge, RequestHandle
+from seedance.server.ops.metrics import ServerMetrics
 
 
 @pytest.fixture

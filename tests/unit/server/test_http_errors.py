@@ -7,7 +7,7 @@ import json
 import pytest
 
 from seedance.engine.errors import EngineError
-from seedance.server.http_errors import HttpError, from_engine_error
+from seedance.server.http.errors import HttpError, from_engine_error
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from seedance.server import interpreter_tuning
-from seedance.server.interpreter_tuning import release_interpreter, tune_interpreter
+from seedance.server.ops import interpreter_tuning
+from seedance.server.ops.interpreter_tuning import release_interpreter, tune_interpreter
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from seedance.engine.outputs import EngineStats
-from seedance.server.metrics import Histogram, ServerMetrics
-from seedance.server.server_trace import ServerTrace, server_trace_path
-from seedance.server.structured_log import configure_logging, log_event
+from seedance.server.ops.metrics import Histogram, ServerMetrics
+from seedance.server.ops.server_trace import ServerTrace, server_trace_path
+from seedance.server.ops.structured_log import configure_logging, log_event
 
 
 @pytest.fixture

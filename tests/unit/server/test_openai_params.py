@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from seedance.server.http_errors import HttpError
-from seedance.server.openai_params import (
+from seedance.server.http.errors import HttpError
+from seedance.server.http.openai_params import (
     decode_body,
     header_int,
     parse_chat,

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import trio
 
 from seedance.protocol import ClientConnection, DeltaReceived, ProtocolLimits, StreamOpened
-from seedance.server.protocol_session import (
+from seedance.server.gateway.protocol_session import (
     MAX_WRITES_IN_FLIGHT,
     PEER_ACK_FRAMES,
     ProtocolConnection,

@@ -10,8 +10,8 @@ import trio
 import trio.testing
 
 from seedance.protocol import Open, ProtocolLimits, SessionState
-from seedance.server.session_table import SessionRecord, SessionTable
-from seedance.server.ws_gateway import choose_subprotocol
+from seedance.server.gateway.session_table import SessionRecord, SessionTable
+from seedance.server.gateway.websocket import choose_subprotocol
 
 
 class FakeConnection:

@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from seedance.server.socket_writer import SocketWriter
+from seedance.server.gateway.socket_writer import SocketWriter
 
 
 def socket_stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:

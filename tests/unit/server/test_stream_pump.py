@@ -17,8 +17,8 @@ from seedance.engine.errors import EngineError
 from seedance.engine.outputs import RequestDelta
 from seedance.engine.outputs import Usage as EngineUsage
 from seedance.protocol import Open, SamplingOptions, StreamError, Usage
-from seedance.server.batch_negotiation import Adoption
-from seedance.server.stream_pump import StreamPump, sampling_params
+from seedance.server.bridge.batch_negotiation import Adoption
+from seedance.server.gateway.stream_pump import StreamPump, sampling_params
 
 
 class FakeHandle:

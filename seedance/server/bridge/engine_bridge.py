@@ -31,9 +31,9 @@ from seedance.engine.engine_interface import EngineInterface
 from seedance.engine.errors import EngineError
 from seedance.engine.outputs import RequestDelta, StepOutput
 from seedance.engine.sampling_params import SamplingParams
-from seedance.server.admission import AdmissionSlots
-from seedance.server.batch_negotiation import Adoption, LoadSnapshot, negotiate
-from seedance.server.metrics import ServerMetrics
+from seedance.server.bridge.admission import AdmissionSlots
+from seedance.server.bridge.batch_negotiation import Adoption, LoadSnapshot, negotiate
+from seedance.server.ops.metrics import ServerMetrics
 
 log = logging.getLogger("seedance.server.bridge")
 

@@ -21,11 +21,11 @@ from seedance.protocol import (
     Usage,
 )
 from seedance.protocol.messages import EndReason
-from seedance.server.structured_log import log_event
+from seedance.server.ops.structured_log import log_event
 
 if TYPE_CHECKING:
+    from seedance.server.gateway.stream_pump import StreamPump
     from seedance.server.server_context import ServerContext
-    from seedance.server.stream_pump import StreamPump
 
 log = logging.getLogger("seedance.server.sessions")
 

@@ -8,7 +8,7 @@ import time
 
 from seedance.engine.config import NULL_MODEL, EngineConfig
 from seedance.engine.engine_interface import EngineInterface
-from seedance.server.structured_log import log_event
+from seedance.server.ops.structured_log import log_event
 
 log = logging.getLogger("seedance.server")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import trio
 
-from seedance.server.protocol_session import ProtocolConnection
+from seedance.server.gateway.protocol_session import ProtocolConnection
+from seedance.server.gateway.socket_writer import SocketWriter
 from seedance.server.server_context import ServerContext
-from seedance.server.socket_writer import SocketWriter
 
 RECEIVE_BYTES = 65536
 

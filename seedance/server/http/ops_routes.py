@@ -3,8 +3,8 @@ engine stepping, not draining; 503 otherwise) and `GET /metrics` (Prometheus tex
 
 from __future__ import annotations
 
-from seedance.server.http_server import HttpExchange, Routes
-from seedance.server.metrics import CONTENT_TYPE
+from seedance.server.http.h11_server import HttpExchange, Routes
+from seedance.server.ops.metrics import CONTENT_TYPE
 from seedance.server.server_context import ServerContext
 
 

@@ -16,10 +16,10 @@ from seedance.engine.outputs import RequestDelta
 from seedance.engine.sampling_params import SamplingParams
 from seedance.protocol import Open, StreamError, Usage
 from seedance.protocol.messages import EndReason
-from seedance.server.engine_bridge import RequestHandle
+from seedance.server.bridge.engine_bridge import RequestHandle
 
 if TYPE_CHECKING:
-    from seedance.server.session_table import SessionRecord
+    from seedance.server.gateway.session_table import SessionRecord
 
 log = logging.getLogger("seedance.server.streams")
 

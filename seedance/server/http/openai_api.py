@@ -14,10 +14,10 @@ import msgspec
 
 from seedance.engine.errors import EngineError
 from seedance.engine.outputs import RequestDelta, Usage
-from seedance.server.engine_bridge import RequestHandle
-from seedance.server.http_errors import HttpError, from_engine_error, unavailable
-from seedance.server.http_server import HttpExchange, Routes
-from seedance.server.openai_params import (
+from seedance.server.bridge.engine_bridge import RequestHandle
+from seedance.server.http.errors import HttpError, from_engine_error, unavailable
+from seedance.server.http.h11_server import HttpExchange, Routes
+from seedance.server.http.openai_params import (
     ParsedRequest,
     decode_body,
     header_int,

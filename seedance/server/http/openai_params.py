@@ -11,7 +11,7 @@ import msgspec
 
 from seedance.engine.errors import EngineError
 from seedance.engine.sampling_params import SamplingParams
-from seedance.server.http_errors import bad_request, from_engine_error
+from seedance.server.http.errors import bad_request, from_engine_error
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20

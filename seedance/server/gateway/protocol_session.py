@@ -36,10 +36,10 @@ from seedance.protocol import (
     close_code_for,
 )
 from seedance.protocol.messages import Codec
+from seedance.server.gateway.session_table import SessionRecord, SessionTable, table_for
+from seedance.server.gateway.stream_pump import StreamPump
+from seedance.server.ops.structured_log import log_event
 from seedance.server.server_context import ServerContext
-from seedance.server.session_table import SessionRecord, SessionTable, table_for
-from seedance.server.stream_pump import StreamPump
-from seedance.server.structured_log import log_event
 
 log = logging.getLogger("seedance.server.protocol")
 

@@ -15,10 +15,10 @@ from wsproto.utilities import RemoteProtocolError as WsRemoteProtocolError
 
 from seedance.protocol import ErrorCode, RemoteProtocolError
 from seedance.protocol.messages import Codec
-from seedance.server.protocol_session import ProtocolConnection
+from seedance.server.gateway.protocol_session import ProtocolConnection
+from seedance.server.gateway.socket_writer import SocketWriter
+from seedance.server.ops.structured_log import log_event
 from seedance.server.server_context import ServerContext
-from seedance.server.socket_writer import SocketWriter
-from seedance.server.structured_log import log_event
 
 SUBPROTOCOLS: dict[str, Codec] = {"seedance.v1.msgpack": "msgpack", "seedance.v1.json": "json"}
 DEFAULT_SUBPROTOCOL = "seedance.v1.msgpack"

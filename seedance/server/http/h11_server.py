@@ -15,9 +15,9 @@ import h11
 import msgspec
 import trio
 
-from seedance.server.http_errors import HttpError, unavailable
+from seedance.server.http.errors import HttpError, unavailable
+from seedance.server.ops.structured_log import log_event
 from seedance.server.server_context import ServerContext
-from seedance.server.structured_log import log_event
 
 RECEIVE_BYTES = 65536
 MAX_HEAD_BYTES = 64 * 1024
