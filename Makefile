@@ -25,7 +25,7 @@ lint: install
 	$(BIN)/ruff check seedance tests tools
 
 typecheck: install
-	$(BIN)/mypy --strict seedance/protocol
+	$(BIN)/mypy --strict seedance
 
 pytest: install
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -141,7 +141,7 @@ class StepStaging:
             dev = self._buffer(self._dev, dtype, n, self.device, False)[:n]
             dev.copy_(host, non_blocking=True)
             out.append(dev)
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ev.record()
         self._events[turn] = ev
         return out[0], out[1]
@@ -322,7 +322,8 @@ class ModelRunner:
             backend.decode_num_splits = n
 
         def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-            return self.model.compute_logits(self.model(ids, pos, meta)).float()
+            logits: torch.Tensor = self.model.compute_logits(self.model(ids, pos, meta)).float()
+            return logits
 
         graphs = DecodeGraphs(
             forward,
@@ -422,7 +423,10 @@ class ModelRunner:
         hidden = self.model(ids, batch.positions, meta)
         if not batch.sampling_seqs:
             return None
-        return self.model.compute_logits(hidden.index_select(0, batch.logits_index)).float()
+        computed: torch.Tensor = self.model.compute_logits(
+            hidden.index_select(0, batch.logits_index)
+        ).float()
+        return computed
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
         """The next token of each row. On CUDA a greedy batch without penalties or logprobs
@@ -433,7 +437,7 @@ class ModelRunner:
             pinned = self._pinned_ids[self._ids_turn][: ids.shape[0]]
             self._ids_turn ^= 1
             pinned.copy_(ids, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
             return SampledTokens(ids, [None] * len(seqs), pinned=pinned, event=event)
         rows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.generator) for s in seqs]

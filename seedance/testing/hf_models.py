@@ -56,7 +56,7 @@ def train_tokenizer(directory: str | Path, vocab_size: int = 512) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    hf = PreTrainedTokenizerFast(
+    hf = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
@@ -152,7 +152,9 @@ def build_model(
     else:
         raise ValueError(f"unknown architecture {architecture!r} (llama, qwen2, qwen3)")
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        config, dtype=getattr(torch, dtype)
+    )
     _randomize_norms(model, seed)
     save_kwargs: dict[str, Any] = {}
     if max_shard_size is not None:

@@ -28,8 +28,8 @@ from seedance.engine.attention.decode_attention import (
 from seedance.engine.attention.triton_interpret import dot_precision, upcast_dot_operands
 
 
-@triton.jit
-def _attend_tile(
+@triton.jit  # type: ignore[untyped-decorator]  # triton reads the signature itself
+def _attend_tile(  # type: ignore[no-untyped-def]
     acc,
     m_i,
     l_i,
@@ -100,8 +100,8 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
-def _prefill_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton reads the signature itself
+def _prefill_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,

@@ -19,7 +19,7 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 def onednn_linear_available() -> bool:
     return (
-        torch.backends.mkldnn.is_available()
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
@@ -66,7 +66,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.is_mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x, self.weight, self.bias, "none", [], ""
+            )
+            return out
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

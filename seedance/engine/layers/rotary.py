@@ -21,7 +21,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])  # type: ignore[index]
+        assert scaling is not None
+        scaled: torch.Tensor = inv_freq / float(scaling["factor"])
+        return scaled
     if rope_type == "llama3":
         assert scaling is not None
         factor = float(scaling["factor"])

@@ -67,7 +67,8 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        projected: torch.Tensor = self.o_proj(out.reshape(n, self.q_size))
+        return projected
 
 
 class MLP(nn.Module):
@@ -80,7 +81,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.shard_sizes, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        down: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return down
 
 
 class DecoderLayer(nn.Module):
@@ -97,7 +99,8 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         h = h + self.self_attn(positions, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm(h))
+        return h + mlp_out
 
 
 class LlamaModel(nn.Module):
@@ -119,7 +122,8 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(positions, h, meta)
-        return self.norm(h)
+        normed: torch.Tensor = self.norm(h)
+        return normed
 
 
 class LlamaForCausalLM(nn.Module):
@@ -137,10 +141,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+        hidden: torch.Tensor = self.model(input_ids, positions, meta)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]  # type: ignore[misc]
