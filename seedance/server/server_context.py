@@ -1,6 +1,6 @@
 """The state every connection handler shares: configuration, the engine bridge, metrics, the
-server-side trace, the drain (graceful shutdown) state and the registered protocol gateways.
-One `ServerContext` per server; it lives in the trio thread."""
+server-side trace, the drain (graceful shutdown) state, the registered protocol gateways and
+the protocol sessions. One `ServerContext` per server; it lives in the trio thread."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import trio
 from seedance.config import SeedanceConfig
 from seedance.engine.engine_interface import EngineInterface
 from seedance.server.bridge.engine_bridge import EngineBridge
+from seedance.server.gateway.session_table import SessionTable
 from seedance.server.ops.metrics import ServerMetrics
 from seedance.server.ops.server_trace import ServerTrace
 
@@ -56,6 +57,8 @@ class DrainState:
 
 @dataclass
 class ServerContext:
+    """One server's shared state; built by `Server` before it starts."""
+
     config: SeedanceConfig
     engine: EngineInterface
     bridge: EngineBridge
@@ -75,6 +78,8 @@ class ServerContext:
     session_nursery: trio.Nursery | None = None
     """For tasks that must outlive one connection (a protocol session's streams during
     `resume_grace`); set while the server runs, cancelled after the drain."""
+    sessions: SessionTable = field(default_factory=SessionTable)
+    """This server's protocol sessions by id (both gateways resume from it)."""
 
     def authorized(self, api_key: str | None) -> bool:
         """True when no keys are configured or `api_key` is one of them (constant time)."""

@@ -36,7 +36,7 @@ from seedance.protocol import (
     close_code_for,
 )
 from seedance.protocol.messages import Codec
-from seedance.server.gateway.session_table import SessionRecord, SessionTable, table_for
+from seedance.server.gateway.session_table import SessionRecord, SessionTable
 from seedance.server.gateway.stream_pump import StreamPump
 from seedance.server.ops.structured_log import log_event
 from seedance.server.server_context import ServerContext
@@ -84,7 +84,7 @@ class ProtocolConnection:
         self.ctx = ctx
         self.transport = transport
         self.conn = ServerConnection(ctx.config.protocol, codec=codec)
-        self.table: SessionTable = table_for(ctx)
+        self.table: SessionTable = ctx.sessions
         self.record: SessionRecord | None = None
         self.close_code: int | None = None
         self._close_reason = ""

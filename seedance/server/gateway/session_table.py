@@ -6,9 +6,8 @@ every engine request it still held."""
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import trio
 
@@ -21,11 +20,8 @@ from seedance.protocol import (
     Usage,
 )
 from seedance.protocol.messages import EndReason
+from seedance.server.gateway.stream_pump import PumpServer, StreamPump
 from seedance.server.ops.structured_log import log_event
-
-if TYPE_CHECKING:
-    from seedance.server.gateway.stream_pump import StreamPump
-    from seedance.server.server_context import ServerContext
 
 log = logging.getLogger("seedance.server.sessions")
 
@@ -49,10 +45,9 @@ class SessionRecord:
     connection currently attached (None while detached). The reliable send methods go to the
     attached connection when it is open, else to the session (frames kept for resume)."""
 
-    def __init__(
-        self, ctx: ServerContext, session: SessionState, table: SessionTable
-    ) -> None:
+    def __init__(self, ctx: PumpServer, session: SessionState, table: SessionTable) -> None:
         self.ctx = ctx
+        """The server, as far as the stream pumps need it."""
         self.session = session
         self.table = table
         self.attached: AttachedConnection | None = None
@@ -197,7 +192,8 @@ class SessionRecord:
 
 
 class SessionTable:
-    """Sessions by id; a record removes itself when its `run` task ends."""
+    """Sessions by id, one table per server (`ServerContext.sessions`, shared by both
+    gateways); a record removes itself when its `run` task ends."""
 
     def __init__(self) -> None:
         self._records: dict[str, SessionRecord] = {}
@@ -227,15 +223,3 @@ class SessionTable:
         if self._records.get(record.id) is record:
             del self._records[record.id]
 
-
-_TABLES: dict[int, SessionTable] = {}
-
-
-def table_for(ctx: ServerContext) -> SessionTable:
-    """The session table of one server (both gateways share it); forgotten with `ctx`."""
-    key = id(ctx)
-    table = _TABLES.get(key)
-    if table is None:
-        table = _TABLES[key] = SessionTable()
-        weakref.finalize(ctx, _TABLES.pop, key, None)
-    return table

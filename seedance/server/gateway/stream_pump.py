@@ -6,7 +6,7 @@ it with the engine's reason and usage — or with `cancelled`, `timeout` or a st
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 import trio
@@ -16,10 +16,8 @@ from seedance.engine.outputs import RequestDelta
 from seedance.engine.sampling_params import SamplingParams
 from seedance.protocol import Open, StreamError, Usage
 from seedance.protocol.messages import EndReason
-from seedance.server.bridge.engine_bridge import RequestHandle
-
-if TYPE_CHECKING:
-    from seedance.server.gateway.session_table import SessionRecord
+from seedance.server.bridge.engine_bridge import EngineBridge, RequestHandle
+from seedance.server.ops.server_trace import ServerTrace
 
 log = logging.getLogger("seedance.server.streams")
 
@@ -29,6 +27,50 @@ _END_REASONS: dict[str, EndReason] = {
 }
 
 Ending = tuple[EndReason, Usage, StreamError | None]
+
+
+class PumpServer(Protocol):
+    """What a pump needs from the server it runs in (a `ServerContext`)."""
+
+    @property
+    def bridge(self) -> EngineBridge: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def trace(self) -> ServerTrace | None: ...
+
+    def knows_model(self, name: str | None) -> bool: ...
+
+
+class PumpOwner(Protocol):
+    """What a pump needs from its owner (a protocol session, `SessionRecord`): the server, and
+    the reliable sends of its stream, which go to the attached connection or wait for resume."""
+
+    @property
+    def ctx(self) -> PumpServer: ...
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def closed(self) -> bool:
+        """The session is over: the stream's `end` is not sent."""
+
+    def can_send_delta(self, stream: int, n_tokens: int) -> bool: ...
+
+    def send_delta(self, stream: int, text: str, tokens: list[int]) -> int:
+        """Send one delta; return its seq."""
+
+    def accept_stream(self, stream: int, token_quota: int, batch_size: int) -> None: ...
+
+    def end_stream(
+        self, stream: int, reason: EndReason, usage: Usage, error: StreamError | None
+    ) -> None: ...
+
+    def pump_done(self, stream: int) -> None:
+        """The pump's task is over (whatever the reason)."""
 
 
 def sampling_params(open_: Open, max_tokens: int) -> SamplingParams:
@@ -45,7 +87,7 @@ def sampling_params(open_: Open, max_tokens: int) -> SamplingParams:
     }
     if options.stop is not None:
         given["stop"] = list(options.stop)
-    requested = SamplingParams(**given)  # type: ignore[arg-type]
+    requested = SamplingParams(**given)
     return msgspec.structs.replace(requested, max_tokens=max_tokens)
 
 
@@ -60,7 +102,7 @@ def usage_of(final: RequestDelta | None, prompt_tokens: int, sent_tokens: int) -
 class StreamPump:
     """The task behind one stream; lives under its session (outlives a connection)."""
 
-    def __init__(self, record: SessionRecord, open_: Open) -> None:
+    def __init__(self, record: PumpOwner, open_: Open) -> None:
         self.record = record
         self.open = open_
         self.stream = open_.stream

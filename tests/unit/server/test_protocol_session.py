@@ -16,6 +16,7 @@ from seedance.server.gateway.protocol_session import (
     PEER_ACK_FRAMES,
     ProtocolConnection,
 )
+from seedance.server.gateway.session_table import SessionTable
 
 
 class FakeBridge:
@@ -56,6 +57,7 @@ class FakeContext:
     def __init__(self, bridge: FakeBridge) -> None:
         self.config = SimpleNamespace(protocol=ProtocolLimits())
         self.bridge = bridge
+        self.sessions = SessionTable()
 
 
 class Served(SimpleNamespace):

@@ -58,14 +58,14 @@ async def test_detached_session_expires_after_grace_and_cancels_its_pumps(
     table = SessionTable()
     record = _record(table)
     connection = FakeConnection()
-    record.attached = connection  # type: ignore[assignment]
+    record.attached = connection
     async with trio.open_nursery() as nursery:
         await nursery.start(record.run)
         record.start_stream(ForeverPump, Open(seq=0, stream=1, prompt="x"))  # type: ignore[arg-type]
         pump = record.pumps[1]
         await trio.sleep(100)  # attached: never expires
         assert table.get("sid") is record and not pump.cancelled  # type: ignore[attr-defined]
-        record.detach(connection)  # type: ignore[arg-type]
+        record.detach(connection)
         detached_at = trio.current_time()
         await trio.sleep(4.9)
         assert table.resumable("sid", trio.current_time()) is record
@@ -82,19 +82,19 @@ async def test_reattaching_within_grace_keeps_the_session(
     table = SessionTable()
     record = _record(table)
     first, second = FakeConnection(), FakeConnection()
-    record.attached = first  # type: ignore[assignment]
+    record.attached = first
     async with trio.open_nursery() as nursery:
         await nursery.start(record.run)
         record.start_stream(ForeverPump, Open(seq=0, stream=1, prompt="x"))  # type: ignore[arg-type]
-        record.detach(first)  # type: ignore[arg-type]
+        record.detach(first)
         await trio.sleep(3)
-        record.attach(second)  # type: ignore[arg-type]
+        record.attach(second)
         assert record.pumps[1].woken == 1  # type: ignore[attr-defined]
         await trio.sleep(60)
         assert not record.closed and table.get("sid") is record
         # a third connection resuming it drops the second one
         third = FakeConnection()
-        record.attach(third)  # type: ignore[arg-type]
+        record.attach(third)
         assert second.detached
         record.close()
     assert record.pumps == {} and table.get("sid") is None
@@ -132,11 +132,11 @@ async def test_a_stream_ending_while_detached_does_not_expire_the_session_early(
     table = SessionTable()
     record = _record(table)
     connection = FakeConnection()
-    record.attached = connection  # type: ignore[assignment]
+    record.attached = connection
     async with trio.open_nursery() as nursery:
         await nursery.start(record.run)
         record.start_stream(FinishingPump, Open(seq=0, stream=1, prompt="x"))  # type: ignore[arg-type]
-        record.detach(connection)  # type: ignore[arg-type]
+        record.detach(connection)
         await trio.sleep(2.0)  # the stream has ended meanwhile, waking the session
         assert 1 not in record.pumps
         assert table.resumable("sid", trio.current_time()) is record and not record.closed
