@@ -9,13 +9,13 @@ import logging
 import mmap
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from seedance.engine.errors import EngineError
+from seedance.engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -73,31 +73,6 @@ def _download(repo_id: str) -> Path:
 
 
 # ---- config -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture facts the engine needs, from a Hugging Face config.json."""
-
-    architecture: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool
-    mlp_bias: bool = False
-    torch_dtype: str | None = None
-    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
-    bos_token_id: int | None = None
 
 
 def _id_set(value: Any) -> set[int]:

@@ -23,7 +23,8 @@ from seedance.engine.config import EngineConfig
 from seedance.engine.cuda_graphs import DecodeGraphInputs, DecodeGraphs, decode_buckets
 from seedance.engine.errors import EngineError
 from seedance.engine.layers.sampler import Sampler, SamplerOutput, SamplingRow
-from seedance.engine.loader import ModelConfig, iter_weights
+from seedance.engine.loader import iter_weights
+from seedance.engine.model_config import ModelConfig
 from seedance.engine.models.registry import model_class
 from seedance.engine.scheduler import SchedulerOutput
 from seedance.engine.sequence import Sequence

@@ -16,7 +16,7 @@ from seedance.engine.errors import EngineError
 from seedance.engine.layers.linear import Linear
 from seedance.engine.layers.norm import RMSNorm
 from seedance.engine.layers.rotary import RotaryEmbedding
-from seedance.engine.loader import ModelConfig
+from seedance.engine.model_config import ModelConfig
 
 FUSED = {
     "q_proj": ("qkv_proj", 0),
