@@ -1,5 +1,6 @@
 """A real seedance server on the null engine, run in a background thread on 127.0.0.1 with a
-free port, for tests that talk to it with real clients from the test thread."""
+free port, for tests that talk to it with real clients from the test thread; and the null
+engine watched (`WatchedNullEngine`), so a test can wait for how each request ended."""
 
 from __future__ import annotations
 
@@ -12,12 +13,51 @@ from typing import Any, TypeVar
 import trio
 
 from seedance.config import SeedanceConfig, build_config
-from seedance.engine.engine_interface import EngineInterface
+from seedance.engine.engine_interface import EngineInterface, StepCallback
 from seedance.engine.null_engine import NullEngine
+from seedance.engine.outputs import StepOutput
 from seedance.server.main import Server
 from seedance.server.server_context import Gateways
 
 T = TypeVar("T")
+
+
+class WatchedNullEngine(NullEngine):
+    """The null engine, recording each request's finish reason as its final delta leaves the
+    engine thread (before the server sees it): an abort shows as `cancelled`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ended = threading.Condition()
+        self.finished: list[tuple[str, str | None]] = []
+        """(request id, finish reason) in the order the requests finished."""
+
+    def start(self, on_step: StepCallback) -> None:
+        def watched(step: StepOutput) -> None:
+            with self._ended:
+                self.finished += [(d.request_id, d.finish_reason) for d in step.deltas
+                                  if d.finished]
+                self._ended.notify_all()
+            on_step(step)
+
+        super().start(watched)
+
+    def wait_finished(self, count: int, timeout: float = 10.0) -> list[tuple[str, str | None]]:
+        """Until `count` requests have finished (AssertionError after `timeout` seconds)."""
+        with self._ended:
+            if not self._ended.wait_for(lambda: len(self.finished) >= count, timeout):
+                raise AssertionError(f"{len(self.finished)} requests finished, not {count}: "
+                                     f"{self.finished} (engine {self.stats()})")
+            return list(self.finished)
+
+    def reason_of(self, request_id: str, timeout: float = 10.0) -> str | None:
+        """`request_id`'s finish reason, once it finished (AssertionError after `timeout`)."""
+        with self._ended:
+            if not self._ended.wait_for(
+                lambda: any(r == request_id for r, _ in self.finished), timeout
+            ):
+                raise AssertionError(f"{request_id} did not finish: {self.finished}")
+            return dict(self.finished)[request_id]
 
 
 class RunningServer:
@@ -29,6 +69,12 @@ class RunningServer:
         self.server = server
         self.token: trio.lowlevel.TrioToken | None = None
         self.error: BaseException | None = None
+
+    @property
+    def watched(self) -> WatchedNullEngine:
+        """The engine, when it is the default (watched) null engine."""
+        assert isinstance(self.engine, WatchedNullEngine)
+        return self.engine
 
     @property
     def port(self) -> int:
@@ -80,7 +126,7 @@ def running_server(
     }
     config = build_config(merged)
     if engine is None:
-        engine = NullEngine(config.engine, eos_after=eos_after)
+        engine = WatchedNullEngine(config.engine, eos_after=eos_after)
     server = Server(
         config, engine, api_keys=api_keys,
         gateways=gateways if gateways is not None else Gateways(),

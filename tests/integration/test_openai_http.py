@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -16,6 +17,11 @@ import trio
 from tests.integration.running_server import RunningServer, running_server
 
 MAX_MODEL_LEN = 512
+LONG_MODEL_LEN = 4_000_000
+LONG_KV_CACHE_GB = 4.0
+"""Simulated KV blocks enough for LONG_MODEL_LEN (16384 blocks of 64 tokens per GiB)."""
+LONG_TOKENS = LONG_MODEL_LEN - 100
+"""Tens of seconds of null-engine steps: longer than any wait in these tests."""
 
 
 @pytest.fixture(scope="module")
@@ -238,8 +244,8 @@ def test_bad_parameter_is_bad_request_naming_it(
     client: openai.OpenAI, kwargs: dict[str, object], param: str
 ) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model="null", messages=[{"role": "user", "content": "x"}], **kwargs  # type: ignore[arg-type]
+        client.chat.completions.create(  # type: ignore[call-overload]
+            model="null", messages=[{"role": "user", "content": "x"}], **kwargs
         )
     assert info.value.param == param
 
@@ -275,7 +281,7 @@ def test_invalid_json_is_bad_request(server: RunningServer) -> None:
 def test_bad_role_is_bad_request_naming_messages(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="null",
-                                       messages=[{"role": "wizard", "content": "x"}])  # type: ignore[list-item]
+                                       messages=[{"role": "wizard", "content": "x"}])  # type: ignore[list-item, misc]
     assert info.value.param == "messages"
 
 
@@ -380,22 +386,53 @@ def test_bad_inputs_leave_a_running_stream_intact(
     assert len(str(result["text"])) == 300
 
 
-def test_client_disconnect_mid_stream_aborts_the_engine_request(server: RunningServer) -> None:
-    sock = _raw_stream_request(server.port, {"model": "null", "prompt": "bye", "stream": True,
-                                             "max_tokens": 100_000})
-    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
-    assert server.call(lambda: server.server.ctx.bridge.num_open) == 1
-    sock.close()
+@pytest.fixture(scope="module")
+def long_server() -> Iterator[RunningServer]:
+    """A server whose requests can run for minutes: only an abort ends them in a test."""
+    with running_server({"engine": {"max_model_len": LONG_MODEL_LEN,
+                                    "kv_cache_gb": LONG_KV_CACHE_GB}}) as running:
+        yield running
+
+
+def _never_ending(prompt: str, *, stream: bool) -> dict[str, object]:
+    return {"model": "null", "prompt": prompt, "stream": stream, "max_tokens": LONG_TOKENS,
+            "ignore_eos": True, "temperature": 0}
+
+
+def _aborted(server: RunningServer, before: int) -> None:
+    """The one request started since `before` requests had finished was aborted by the server
+    (its engine final delta says `cancelled`), and the engine holds nothing any more."""
+    finished = server.watched.wait_finished(before + 1)
+    assert [reason for _, reason in finished[before:]] == ["cancelled"]
     server.wait_engine_idle()
+
+
+def test_client_disconnect_mid_stream_aborts_the_engine_request(
+    long_server: RunningServer,
+) -> None:
+    before = len(long_server.watched.finished)
+    sock = _raw_stream_request(long_server.port, _never_ending("bye", stream=True))
+    sock.settimeout(10)
+    received = b""
+    while b"data: {" not in received:  # mid-stream: events are flowing
+        received += sock.recv(4096)
+    assert received.startswith(b"HTTP/1.1 200")
+    assert long_server.call(lambda: long_server.server.ctx.bridge.num_open) == 1
+    sock.close()
+    _aborted(long_server, before)
 
 
 def test_client_disconnect_while_waiting_for_a_whole_response_aborts(
-    server: RunningServer,
+    long_server: RunningServer,
 ) -> None:
-    sock = _raw_stream_request(server.port, {"model": "null", "prompt": "whole",
-                                             "max_tokens": MAX_MODEL_LEN - 10, "ignore_eos": True})
+    before = len(long_server.watched.finished)
+    sock = _raw_stream_request(long_server.port, _never_ending("whole", stream=False))
+    deadline = time.monotonic() + 10
+    while long_server.engine.stats().num_running == 0:  # the request reached the engine
+        assert time.monotonic() < deadline, "the request did not reach the engine"
+        time.sleep(0.005)
     sock.close()
-    server.wait_engine_idle()
+    _aborted(long_server, before)
 
 
 # -- servers with other settings -------------------------------------------------------------

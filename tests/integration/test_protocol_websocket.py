@@ -296,15 +296,16 @@ def test_stream_tier_timeout_aborts_a_stream_whose_client_stops_answering() -> N
 
 def test_dropped_connection_not_resumed_aborts_after_resume_grace(server: RunningServer) -> None:
     peer = WsPeer(server.port)
-    peer.hello()
+    session = peer.hello()["session"]
     peer.send(_open(1, 0, prompt="abandoned", params={"max_tokens": 4000}, credit=4))
     peer.expect("accept")
-    _wait(lambda: _paused(server) == 1)
+    _wait(lambda: _paused(server) == 1)  # held by its credit: it cannot finish by itself
     peer.ws.socket.shutdown(socket.SHUT_RDWR)  # no close handshake: a drop
     peer.ws.socket.close()
     started = time.monotonic()
-    server.wait_engine_idle(timeout=10)
+    assert server.watched.reason_of(f"{session}-1") == "cancelled"  # the server aborted it
     assert time.monotonic() - started >= 0.3  # kept for resume_grace (0.5 s) first
+    server.wait_engine_idle(timeout=10)
 
 
 def test_resume_with_hello_session_and_ack() -> None:
@@ -341,7 +342,7 @@ def test_drain_sends_goaway_and_lets_the_stream_finish() -> None:
         assert goaway["reason"]
         peer.send(_open(2, 1, prompt="refused"))
         peer.send({"t": "credit", "stream": 1, "limit": 20})
-        ends = {}
+        ends: dict[int, dict[str, Any]] = {}
         while len(ends) < 2:
             message = peer.next()
             if message["t"] == "end":

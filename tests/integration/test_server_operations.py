@@ -11,6 +11,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,7 +118,8 @@ def test_tls_serves_tls13_and_refuses_older_clients(certificate: tuple[str, str]
                 pytest.raises(ssl.SSLError):
             old.wrap_socket(raw, server_hostname="127.0.0.1")
         with openai.OpenAI(base_url=f"https://127.0.0.1:{server.port}/v1", api_key="k",
-                           max_retries=0, http_client=httpx.Client(verify=client_context)) as c:
+                           max_retries=0,
+                           http_client=httpx.Client(verify=client_context)) as c:  # type: ignore[arg-type]
             chunks = list(c.completions.create(model="null", prompt="tls", max_tokens=8,
                                                stream=True))
             assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
@@ -155,6 +157,56 @@ def serve_process() -> Iterator[subprocess.Popen[str]]:
     process.wait(10)
 
 
+class ServeLog:
+    """The structured log lines a `seedance serve` subprocess writes to stderr, read as they
+    come by a thread, so a test can wait for an event instead of sleeping."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        assert process.stderr is not None
+        self._stderr = process.stderr
+        self._lines: list[str] = []
+        self._arrived = threading.Condition()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self._stderr:
+            with self._arrived:
+                self._lines.append(line)
+                self._arrived.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 10.0) -> str:
+        """The first line matching `pattern` (AssertionError after `timeout` seconds)."""
+        def found() -> str | None:
+            return next((line for line in self._lines if re.search(pattern, line)), None)
+
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: found() is not None, timeout):
+                raise AssertionError(f"no log line matches {pattern!r}: {self._lines}")
+            line = found()
+            assert line is not None
+            return line
+
+    def text(self) -> str:
+        """Everything logged, once the process has exited."""
+        self._thread.join(10)
+        with self._arrived:
+            return "".join(self._lines)
+
+
+@pytest.fixture
+def serve_log(serve_process: subprocess.Popen[str]) -> ServeLog:
+    return ServeLog(serve_process)
+
+
+def _refuses_connections(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
 def _port_of(process: subprocess.Popen[str]) -> int:
     assert process.stdout is not None
     deadline = time.monotonic() + 30
@@ -169,7 +221,7 @@ def _port_of(process: subprocess.Popen[str]) -> int:
 
 
 def test_sigterm_lets_running_streams_finish_then_exits_0(
-    serve_process: subprocess.Popen[str],
+    serve_process: subprocess.Popen[str], serve_log: ServeLog,
 ) -> None:
     port = _port_of(serve_process)
     body = json.dumps({"model": "null", "prompt": "drain", "max_tokens": 3000, "stream": True,
@@ -181,9 +233,8 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(
     received = sock.recv(1024)
     assert received.startswith(b"HTTP/1.1 200")
     serve_process.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    serve_log.wait_for(r"event=draining\b")  # logged once the listeners are closed
+    assert _refuses_connections(port)
     while chunk := sock.recv(65536):
         received += chunk
     sock.close()
@@ -195,13 +246,14 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(
     assert b"data: [DONE]" in received
     assert len(text) == 3000
     assert serve_process.wait(20) == 0
-    assert serve_process.stderr is not None
-    logs = serve_process.stderr.read()
+    logs = serve_log.text()
     assert "event=drain_started" in logs and "event=server_stopped" in logs
     assert re.search(r"event=listening .*http_port=\d+", logs)
 
 
-def test_second_sigint_stops_at_once_and_exits_0(serve_process: subprocess.Popen[str]) -> None:
+def test_second_sigint_stops_at_once_and_exits_0(
+    serve_process: subprocess.Popen[str], serve_log: ServeLog,
+) -> None:
     port = _port_of(serve_process)
     body = json.dumps({"model": "null", "prompt": "stall", "max_tokens": 100_000,
                        "stream": True}).encode()
@@ -211,11 +263,15 @@ def test_second_sigint_stops_at_once_and_exits_0(serve_process: subprocess.Popen
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     assert sock.recv(1024).startswith(b"HTTP/1.1 200")
     serve_process.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    serve_log.wait_for(r"event=draining\b")
     assert serve_process.poll() is None  # draining: the stalled stream keeps it alive
     serve_process.send_signal(signal.SIGINT)
     assert serve_process.wait(10) == 0
     sock.close()
+    # the second signal found the server still draining, and it stopped without waiting
+    logs = serve_log.text()
+    assert re.search(r"event=signal .*action=stop_now", logs)
+    assert "event=drain_timeout" not in logs
 
 
 # -- the WebSocket hand-off and the gateways of this build -----------------------------------

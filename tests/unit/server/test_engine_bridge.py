@@ -45,6 +45,16 @@ async def wait_engine_idle(bridge: EngineBridge) -> None:
             await trio.sleep(0.005)
 
 
+async def steps_delivered(bridge: EngineBridge) -> None:
+    """Until every step the engine had published when called has been fanned out to the
+    handles: a one-token probe submitted now finishes in a later step, and steps are delivered
+    in order."""
+    with trio.fail_after(10):
+        async with bridge.open_request(bridge.engine.encode("probe"),
+                                       SamplingParams(max_tokens=1)) as probe:
+            assert [d.finish_reason async for d in probe][-1] == "length"
+
+
 async def test_deltas_arrive_in_order_and_end_with_the_final_one(bridge: EngineBridge) -> None:
     ids = bridge.engine.encode("hello")
     async with bridge.open_request(ids, SamplingParams(max_tokens=50)) as handle:
@@ -82,10 +92,11 @@ async def test_a_consumer_that_does_not_read_gets_its_request_paused(
         with trio.fail_after(10):
             while bridge.engine.stats().num_paused != 1:
                 await trio.sleep(0.005)
+        await steps_delivered(bridge)
         held = handle.buffered_tokens
         # bounded: the limit plus what the in-flight steps carried
         assert 16 <= held <= 16 + engine_bridge.MAX_STEPS_IN_FLIGHT
-        await trio.sleep(0.05)
+        await steps_delivered(bridge)  # more steps ran
         assert handle.buffered_tokens == held  # nothing more while paused
         batch = await handle.receive_batch()
         assert sum(len(d.token_ids) for d in batch) == held
@@ -103,10 +114,9 @@ async def test_consumer_pause_and_resume_drive_the_engine(bridge: EngineBridge) 
         with trio.fail_after(10):
             while bridge.engine.stats().num_paused != 1:
                 await trio.sleep(0.005)
-        await trio.sleep(0.02)  # deltas of steps before the pause land
-        if handle.buffered_tokens:
-            await handle.receive_batch()
-        await trio.sleep(0.05)
+        await steps_delivered(bridge)  # deltas of steps before the pause have landed
+        handle.take_batch()
+        await steps_delivered(bridge)  # more steps ran
         assert handle.buffered_tokens == 0  # paused: nothing new
         handle.resume()
         with trio.fail_after(10):
