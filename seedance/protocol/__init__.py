@@ -6,6 +6,7 @@ from ._connection import ConnectionState
 from ._credit import StreamCredit
 from ._framing import FrameDecoder, encode_frame
 from ._heartbeat import HeartbeatSchedule, negotiate
+from ._nesting import MAX_JSON_DEPTH, exceeds_json_depth
 from ._receive_window import ReceiveWindow
 from ._send_window import RetransmitTimer, SendWindow
 from ._server import ServerConnection
@@ -74,6 +75,7 @@ from .messages import (
 __all__ = [
     "HEADER_SIZE",
     "MAGIC",
+    "MAX_JSON_DEPTH",
     "MAX_SACK_RANGES",
     "PROTOCOL_VERSION",
     "TRANSITIONS",
@@ -136,5 +138,6 @@ __all__ = [
     "Welcomed",
     "close_code_for",
     "encode_frame",
+    "exceeds_json_depth",
     "negotiate",
 ]

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from ._nesting import MAX_JSON_DEPTH, exceeds_json_depth
 from .errors import ErrorCode, RemoteProtocolError
 
 __all__ = [
@@ -268,10 +269,20 @@ class PayloadCodec:
 
     def decode(self, payload: bytes | bytearray | memoryview) -> Message:
         """Decode one payload; raise `RemoteProtocolError` (§12) when it is not a message."""
+        if self.name == "json" and exceeds_json_depth(payload):
+            raise RemoteProtocolError(
+                ErrorCode.INVALID_MESSAGE,
+                f"payload nests deeper than {MAX_JSON_DEPTH} levels",
+                field="$",
+            )
         try:
             message: Message = self._decode(payload)
         except msgspec.MsgspecError as exc:
             raise _remote_error(exc) from None
+        except RecursionError:  # msgpack: msgspec gives up near Python's recursion limit
+            raise RemoteProtocolError(
+                ErrorCode.INVALID_MESSAGE, "payload nests too deeply to decode", field="$"
+            ) from None
         return message
 
 
