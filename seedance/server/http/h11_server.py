@@ -2,11 +2,14 @@
 body limit enforced while reading (413 without buffering the rest), routing with OpenAI-style
 404/405 errors, client-disconnect detection while a response is produced (the handler is
 cancelled, so its engine request is aborted), and the WebSocket upgrade hand-off at
-`/v2/infer` to the registered gateway."""
+`/v2/infer` to the registered gateway. A request whose framing is unsafe or broken (RFC 9112:
+ambiguous or repeated lengths, unknown codings or versions, an oversized head, a bad body) is
+answered with its 4xx/5xx, one log line, and the connection closed (docs/security.md)."""
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -21,7 +24,10 @@ from seedance.server.server_context import ServerContext
 
 RECEIVE_BYTES = 65536
 MAX_HEAD_BYTES = 64 * 1024
-"""Largest request line + headers (431 beyond)."""
+"""Largest request head — request line, headers and the blank line — however it arrives, in
+one write or trickled (431 beyond)."""
+HTTP_VERSIONS = (b"1.0", b"1.1")
+"""Versions served; any other is answered 505."""
 REQUEST_TIMEOUT = 30.0
 """Seconds to receive a whole request (head and body) once it started: slowloris guard."""
 KEEPALIVE_TIMEOUT = 75.0
@@ -134,32 +140,111 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _Refused(Exception):
+    """A request refused by the HTTP loop itself: answer `error`, log, then close."""
+
+    def __init__(self, error: HttpError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def _bad_framing(message: str) -> _Refused:
+    return _Refused(HttpError(400, message, code="invalid_framing"))
+
+
+_CONTENT_LENGTH_LINE = re.compile(rb"(?im)^content-length:([^\r\n]*)")
+_TRANSFER_ENCODING_LINE = re.compile(rb"(?im)^transfer-encoding:([^\r\n]*)")
+_END_OF_HEAD = re.compile(rb"\n\r?\n")
+"""The blank line that ends a head, as h11 finds it."""
+
+
+def _check_framing(request: h11.Request, head: bytes) -> None:
+    """Refuse what h11 parses but RFC 9112 §6 forbids or makes ambiguous (`head`: the raw
+    request head, since h11 merges repeated Content-Length values)."""
+    version = request.http_version
+    if version not in HTTP_VERSIONS:
+        raise _Refused(
+            HttpError(
+                505,
+                f"HTTP/{version.decode('ascii')} is not supported (HTTP/1.1 and HTTP/1.0 are)",
+                code="http_version_not_supported",
+            )
+        )
+    names = {name for name, _ in request.headers}
+    if b"transfer-encoding" in names:
+        if b"content-length" in names:
+            raise _bad_framing(
+                "Content-Length and Transfer-Encoding together are ambiguous (RFC 9112 §6.1)"
+            )
+        if version == b"1.0":
+            raise _bad_framing("Transfer-Encoding is not allowed in an HTTP/1.0 request")
+    lengths = _CONTENT_LENGTH_LINE.findall(head)
+    if len(lengths) > 1 or b"," in b"".join(lengths):
+        raise _bad_framing("more than one Content-Length value (RFC 9112 §6.3)")
+
+
+def _coding_error(head: bytes, exc: h11.RemoteProtocolError) -> HttpError:
+    """h11 refuses every Transfer-Encoding but one `chunked` with 501; RFC 9112 §6.1 wants 400
+    when the length is unknowable (chunked missing, not last or repeated): 501 is left for a
+    coding we do not implement ahead of the final chunked."""
+    codings = [
+        coding.strip().lower()
+        for line in _TRANSFER_ENCODING_LINE.findall(head)
+        for coding in line.split(b",")
+        if coding.strip()
+    ]
+    if not codings or codings[-1] != b"chunked" or codings.count(b"chunked") > 1:
+        return HttpError(
+            400,
+            "Transfer-Encoding must end in exactly one chunked coding (RFC 9112 §6.1)",
+            code="invalid_framing",
+        )
+    return HttpError(
+        501,
+        f"transfer coding not implemented ({exc}); only chunked is supported",
+        type="server_error",
+        code="not_implemented",
+    )
+
+
 async def _next_event(conn: h11.Connection, stream: trio.abc.Stream) -> Any:
     while True:
         event = conn.next_event()
         if event is not h11.NEED_DATA:
             return event
-        try:
-            data = await stream.receive_some(RECEIVE_BYTES)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            data = b""
-        conn.receive_data(bytes(data))
+        conn.receive_data(await _receive_some(stream))
 
 
 async def _read_body(conn: h11.Connection, stream: trio.abc.Stream, limit: int) -> bytes:
+    """The whole body; `_Refused` (400) when its framing is broken or the client's EOF cuts
+    it, (408) when it does not arrive within REQUEST_TIMEOUT."""
     chunks: list[bytes] = []
     size = 0
-    while True:
-        event = await _next_event(conn, stream)
-        if isinstance(event, h11.Data):
-            size += len(event.data)
-            if size > limit:
-                raise _BodyTooLarge
-            chunks.append(bytes(event.data))
-        elif isinstance(event, h11.EndOfMessage):
-            return b"".join(chunks)
-        else:  # ConnectionClosed mid-body
-            raise trio.BrokenResourceError("client closed the connection mid-body")
+    try:
+        with trio.fail_after(REQUEST_TIMEOUT):
+            while True:
+                event = await _next_event(conn, stream)
+                if isinstance(event, h11.Data):
+                    size += len(event.data)
+                    if size > limit:
+                        raise _BodyTooLarge
+                    chunks.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    return b"".join(chunks)
+                else:  # ConnectionClosed mid-body
+                    raise trio.BrokenResourceError("client closed the connection mid-body")
+    except h11.RemoteProtocolError as exc:
+        raise _Refused(
+            HttpError(400, f"malformed request body: {exc}", code="invalid_body")
+        ) from None
+    except trio.TooSlowError:
+        raise _Refused(
+            HttpError(
+                408,
+                f"the request body did not arrive within {REQUEST_TIMEOUT:g} s",
+                code="request_timeout",
+            )
+        ) from None
 
 
 def _content_length(request: h11.Request) -> int | None:
@@ -177,6 +262,31 @@ def _is_websocket_upgrade(request: h11.Request) -> bool:
         elif name == b"connection" and b"upgrade" in value.lower():
             connection = True
     return upgrade and connection
+
+
+async def _refuse(
+    conn: h11.Connection, stream: trio.abc.Stream, error: HttpError, request: h11.Request | None
+) -> None:
+    """Answer `error` with `Connection: close`, log one line, then linger and close."""
+    fields: dict[str, object] = {"status": error.status, "code": error.code}
+    if request is not None:
+        fields["method"] = request.method.decode("ascii", errors="replace")
+        fields["path"] = request.target.split(b"?", 1)[0].decode("ascii", errors="replace")
+    log_event(log, "bad_request", level=logging.INFO, reason=error.message, **fields)
+    body = error.body()
+    headers = [
+        SERVER_HEADER,
+        ("content-type", "application/json"),
+        ("content-length", str(len(body))),
+        ("connection", "close"),
+        *error.headers,
+    ]
+    try:
+        data = conn.send(h11.Response(status_code=error.status, headers=headers))
+        await stream.send_all(data + conn.send(h11.Data(data=body)))
+    except (h11.LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+        return
+    await _linger_and_close(stream)
 
 
 async def _linger_and_close(stream: trio.abc.Stream) -> None:
@@ -234,8 +344,10 @@ async def serve_http_connection(
                     await stream.send_all(
                         conn.send(h11.InformationalResponse(status_code=100, headers=[]))
                     )
-                with trio.fail_after(REQUEST_TIMEOUT):
-                    body = await _read_body(conn, stream, max_body)
+                body = await _read_body(conn, stream, max_body)
+            except _Refused as refused:
+                await _refuse(conn, stream, refused.error, request)
+                return
             except _BodyTooLarge:
                 exchange = HttpExchange(conn, stream, request, b"", close_after=True)
                 await exchange.respond_error(
@@ -247,8 +359,6 @@ async def serve_http_connection(
                 )
                 _log_request(exchange, started)
                 await _linger_and_close(stream)
-                return
-            except trio.TooSlowError:
                 return
             exchange = HttpExchange(conn, stream, request, body, close_after)
             gone: list[bool] = []
@@ -282,11 +392,17 @@ async def _receive_request_head(
     ctx: ServerContext, conn: h11.Connection, stream: trio.abc.Stream, *, idle_closable: bool
 ) -> h11.Request | None:
     """The next request's head, or None (client closed, idle timeout, bad request — then the
-    4xx has been sent — or, for a keep-alive connection that already served a request
-    (`idle_closable`), the drain)."""
+    error has been sent — or, for a keep-alive connection that already served a request
+    (`idle_closable`), the drain).
+
+    The head's size is counted here, not left to h11's `max_incomplete_event_size`, which only
+    bounds a head still incomplete: a head that arrives whole in one read would pass it at any
+    size. `received` holds every byte h11 has been given since this head began (a pipelined
+    start of it included), so the head is what h11 consumed of it."""
+    received = bytearray(conn.trailing_data[0])
     try:
-        first = conn.next_event()
-        if first is h11.NEED_DATA:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
             with trio.move_on_after(KEEPALIVE_TIMEOUT) as idle:
                 if idle_closable:
                     ctx.drain.idle_scopes.add(idle)
@@ -298,37 +414,55 @@ async def _receive_request_head(
                     ctx.drain.idle_scopes.discard(idle)
             if idle.cancelled_caught:
                 return None
-            conn.receive_data(bytes(data))
-        with trio.fail_after(REQUEST_TIMEOUT):
-            event = first if first is not h11.NEED_DATA else await _next_event(conn, stream)
+            with trio.fail_after(REQUEST_TIMEOUT):
+                while True:
+                    received += data
+                    conn.receive_data(bytes(data))
+                    event = conn.next_event()
+                    if event is not h11.NEED_DATA:
+                        break
+                    data = await _receive_some(stream)
     except trio.TooSlowError:
         return None
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         return None
     except h11.RemoteProtocolError as exc:
         status = exc.error_status_hint
-        error = HttpError(status, f"malformed HTTP request: {exc}", code="bad_http_request")
-        try:
-            body = error.body()
-            data = conn.send(
-                h11.Response(
-                    status_code=status,
-                    headers=[
-                        SERVER_HEADER,
-                        ("content-type", "application/json"),
-                        ("content-length", str(len(body))),
-                        ("connection", "close"),
-                    ],
-                )
-            )
-            await stream.send_all(data + conn.send(h11.Data(data=body)))
-        except (h11.LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        log_event(log, "bad_request", level=logging.INFO, status=status, reason=str(exc))
+        if status == 501:
+            error = _coding_error(_END_OF_HEAD.split(bytes(received), 1)[0], exc)
+        elif status == 431:
+            error = _head_too_large()
+        else:
+            error = HttpError(status, f"malformed HTTP request: {exc}", code="bad_http_request")
+        await _refuse(conn, stream, error, None)
         return None
-    if isinstance(event, h11.Request):
-        return event
-    return None
+    if not isinstance(event, h11.Request):
+        return None
+    head_size = len(received) - len(conn.trailing_data[0])
+    try:
+        if head_size > MAX_HEAD_BYTES:
+            raise _Refused(_head_too_large())
+        _check_framing(event, bytes(received[:head_size]))
+    except _Refused as refused:
+        await _refuse(conn, stream, refused.error, event)
+        return None
+    return event
+
+
+def _head_too_large() -> HttpError:
+    return HttpError(
+        431,
+        f"request line and headers are larger than the limit of {MAX_HEAD_BYTES} bytes",
+        code="request_head_too_large",
+    )
+
+
+async def _receive_some(stream: trio.abc.Stream) -> bytes:
+    """The next bytes from the client; b"" at its EOF or when the stream broke."""
+    try:
+        return bytes(await stream.receive_some(RECEIVE_BYTES))
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return b""
 
 
 async def _hand_off_websocket(

@@ -11,6 +11,7 @@ import msgspec
 
 from seedance.engine.errors import EngineError
 from seedance.engine.sampling_params import SamplingParams
+from seedance.protocol import MAX_JSON_DEPTH, exceeds_json_depth
 from seedance.server.http.errors import bad_request, from_engine_error
 
 MAX_STOP_STRINGS = 16
@@ -33,7 +34,13 @@ class ParsedRequest:
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
-    """The JSON object of a request body."""
+    """The JSON object of a request body, its nesting checked before it is decoded (the
+    decoder recurses once per level)."""
+    if exceeds_json_depth(body):
+        raise bad_request(
+            f"request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels",
+            code="nesting_too_deep",
+        )
     try:
         value = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
@@ -66,6 +73,7 @@ def _number(body: dict[str, Any], name: str) -> float | None:
 
 
 def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """A JSON `true`/`false` (absent or null: `default`); 0, "", [] and {} are refused."""
     value = body.get(name)
     if value is None:
         return default
@@ -134,9 +142,9 @@ def _common(body: dict[str, Any], *, streaming_enabled: bool) -> dict[str, Any]:
         "presence_penalty": _number(body, "presence_penalty"),
         "frequency_penalty": _number(body, "frequency_penalty"),
         "repetition_penalty": _number(body, "repetition_penalty"),
-        "ignore_eos": body.get("ignore_eos") and _bool(body, "ignore_eos"),
-        "include_stop_str_in_output": body.get("include_stop_str_in_output")
-        and _bool(body, "include_stop_str_in_output"),
+        "ignore_eos": _bool(body, "ignore_eos"),
+        "include_stop_str_in_output": _bool(body, "include_stop_str_in_output"),
+        "skip_special_tokens": _bool(body, "skip_special_tokens", default=True),
     }
     return {
         "sampling": {k: v for k, v in sampling.items() if v is not None},

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from seedance.protocol import MAX_JSON_DEPTH
 from seedance.server.http.errors import HttpError
 from seedance.server.http.openai_params import (
     decode_body,
@@ -136,3 +137,56 @@ def test_header_int() -> None:
         with pytest.raises(HttpError) as info:
             header_int({"x-expected-tokens": value}, "X-Expected-Tokens", minimum=1)
         assert info.value.param == "X-Expected-Tokens"
+
+
+# -- booleans are JSON booleans (issue 12, hole 8) ---------------------------------------------
+
+NOT_BOOLEANS = [0, 1, "", "true", [], {}, [True]]
+CHAT_BOOLEANS = ["stream", "logprobs", "ignore_eos", "include_stop_str_in_output",
+                 "skip_special_tokens"]
+COMPLETION_BOOLEANS = ["stream", "echo", "ignore_eos", "include_stop_str_in_output",
+                       "skip_special_tokens"]
+
+
+@pytest.mark.parametrize("value", NOT_BOOLEANS)
+@pytest.mark.parametrize("name", CHAT_BOOLEANS)
+def test_chat_boolean_must_be_a_json_boolean(name: str, value: Any) -> None:
+    error = refused(parse_chat, chat(**{name: value}))
+    assert (error.param, error.code) == (name, "invalid_type")
+
+
+@pytest.mark.parametrize("value", NOT_BOOLEANS)
+@pytest.mark.parametrize("name", COMPLETION_BOOLEANS)
+def test_completion_boolean_must_be_a_json_boolean(name: str, value: Any) -> None:
+    error = refused(parse_completion, {"model": "m", "prompt": "x", name: value})
+    assert (error.param, error.code) == (name, "invalid_type")
+
+
+@pytest.mark.parametrize("value", NOT_BOOLEANS)
+def test_include_usage_must_be_a_json_boolean(value: Any) -> None:
+    error = refused(parse_chat, chat(stream=True, stream_options={"include_usage": value}))
+    assert (error.param, error.code) == ("include_usage", "invalid_type")
+
+
+def test_boolean_sampling_flags_reach_the_params() -> None:
+    parsed = parse_chat(chat(ignore_eos=True, include_stop_str_in_output=True,
+                             skip_special_tokens=False), streaming_enabled=True)
+    p = parsed.params
+    assert (p.ignore_eos, p.include_stop_str_in_output, p.skip_special_tokens) == (
+        True, True, False)
+    defaults = parse_chat(chat(ignore_eos=None, skip_special_tokens=None),
+                          streaming_enabled=True).params
+    assert (defaults.ignore_eos, defaults.include_stop_str_in_output,
+            defaults.skip_special_tokens) == (False, False, True)
+
+
+# -- nesting is bounded before decoding (issue 12, hole 7) -------------------------------------
+
+
+def test_deeply_nested_body_is_refused_before_decoding() -> None:
+    deep = b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(HttpError) as info:
+        decode_body(deep)
+    assert (info.value.status, info.value.code) == (400, "nesting_too_deep")
+    at_limit = b'{"x": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
+    assert decode_body(at_limit)["x"]
