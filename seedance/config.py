@@ -48,6 +48,16 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tls_key: str | None = None
     drain_timeout: float = 30.0
     """Seconds running streams may finish after SIGTERM/SIGINT."""
+    send_timeout: float = 30.0
+    """Seconds a protocol connection's write may make no progress (the peer does not read)
+    before the connection is dropped."""
+    handshake_timeout: float = 10.0
+    """Seconds a WebSocket/TCP protocol connection may take to send `hello` before it is closed."""
+    max_connections: int = 8192
+    """Open client connections (all ports together); past it new ones are refused at accept
+    (HTTP 503, TCP closed). Lowered to the process's file limit minus a reserve."""
+    max_connections_per_client: int = 256
+    """Open connections from one client address (an IPv6 /64); past it as `max_connections`."""
     log_level: LogLevel = "info"
     tcp_nodelay: bool = True
     tcp_keepalive: bool = True
@@ -71,6 +81,13 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ConfigError(name, f"{name}: no such file: {path}")
         if self.drain_timeout < 0:
             raise ConfigError("drain_timeout", "drain_timeout: must be >= 0")
+        if not self.send_timeout > 0:
+            raise ConfigError("send_timeout", "send_timeout: must be > 0")
+        if not self.handshake_timeout > 0:
+            raise ConfigError("handshake_timeout", "handshake_timeout: must be > 0")
+        for name in ("max_connections", "max_connections_per_client"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"{name}: must be >= 1")
         for name in ("tcp_sndbuf", "tcp_rcvbuf"):
             value = getattr(self, name)
             if value is not None and value < 1024:
@@ -124,6 +141,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tls-cert", "server.tls_cert", "PEM certificate: serve TLS 1.3 (minimum) on every port. Needs --tls-key."),
     Flag("--tls-key", "server.tls_key", "PEM private key for --tls-cert."),
     Flag("--drain-timeout", "server.drain_timeout", "Seconds running streams may finish after SIGTERM/SIGINT (default 30).", float),
+    Flag("--send-timeout", "server.send_timeout", "Seconds a WebSocket/TCP protocol connection may take no bytes before it is dropped (default 30).", float),
+    Flag("--handshake-timeout", "server.handshake_timeout", "Seconds a WebSocket/TCP protocol connection may take to send hello before it is closed (default 10).", float),
+    Flag("--max-connections", "server.max_connections", "Open client connections on all ports together; more are refused at accept with HTTP 503 / a TCP close (default 8192, lowered to the file limit).", int),
+    Flag("--max-connections-per-client", "server.max_connections_per_client", "Open connections from one client address (IPv6: one /64); more are refused like --max-connections (default 256).", int),
     Flag("--log-level", "server.log_level", "Structured log level (default info).", choices=_choices(LogLevel)),
     Flag("--tcp-nodelay", "server.tcp_nodelay", "Set TCP_NODELAY on accepted sockets (default true).", kind="bool"),
     Flag("--tcp-keepalive", "server.tcp_keepalive", "Set SO_KEEPALIVE on accepted sockets (default true).", kind="bool"),
@@ -138,7 +159,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--block-size", "engine.block_size", "Tokens per KV cache block (default 64).", int),
     Flag("--max-batch-size", "engine.max_batch_size", "Most sequences in one engine step (default 64).", int),
     Flag("--max-num-batched-tokens", "engine.max_num_batched_tokens", "Token budget per step shared by decodes and prefill chunks (default 2048).", int),
-    Flag("--max-queued-requests", "engine.max_queued_requests", "Waiting requests beyond which new ones are refused with overloaded / HTTP 429 (default 1024).", int),
+    Flag("--max-queued-requests", "engine.max_queued_requests", "Requests that may wait beyond the batch's free slots; beyond it new ones are refused with overloaded / HTTP 429 (default 1024; 0: accepted only while the batch has room).", int),
     Flag("--max-model-len", "engine.max_model_len", "Context length limit (default: the model's).", int),
     Flag("--kv-cache-gb", "engine.kv_cache_gb", "KV cache size in GiB on CPU (default 1).", float),
     Flag("--gpu-memory-utilization", "engine.gpu_memory_utilization", "Fraction of GPU memory for weights + KV cache on CUDA (default 0.9).", float),
@@ -149,6 +170,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--no-torch-compile-fallback", "engine.no_torch_compile_fallback", "Never fall back to torch.compile at run time (accepted for compatibility; seedance compiles nothing lazily, so first requests see no compile stall).", kind="switch"),
     Flag("--trace-output", "engine.trace_output", "Write a Chrome trace-event JSON (opens in Perfetto) of every step and token to this file."),
     Flag("--seed", "engine.seed", "Seed for requests that give none (default 0).", int),
+    Flag("--max-stop-strings", "engine.max_stop_strings", "Most stop strings per request; more are refused with invalid_request / HTTP 400 (default 16).", int),
+    Flag("--max-stop-string-bytes", "engine.max_stop_string_bytes", "Longest stop string in UTF-8 bytes; longer ones are refused (default 256).", int),
     # protocol
     Flag("--max-frame", "protocol.max_frame", "Largest protocol frame payload in bytes (default 1 MiB).", int),
     Flag("--window", "protocol.window", "Receive window: unacked reliable frames a peer may have in flight (default 256).", int),
@@ -193,7 +216,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             )
         else:
             group.add_argument(
-                flag.name, dest=dest, type=flag.type, choices=flag.choices,
+                flag.name, dest=dest, type=flag.type or str, choices=flag.choices,
                 metavar=None if flag.choices else metavar,
                 default=argparse.SUPPRESS, help=flag.help,
             )

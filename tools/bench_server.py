@@ -45,6 +45,7 @@ STEPS_IN_FLIGHT = 4
 engine thread waits — the bound seedance's bridge has (MAX_STEPS_IN_FLIGHT), without which the
 engine floods the event loop with callbacks."""
 ENGINE = {"model": "null", "max_batch_size": BATCH, "max_queued_requests": BATCH,
+          "max_num_batched_tokens": 4 * BATCH,  # every running stream decodes each step
           "max_model_len": MAX_MODEL_LEN, "kv_cache_gb": KV_CACHE_GB}
 
 

@@ -33,7 +33,8 @@ class BlockManager:
     Free blocks live in two pools: never-hashed ones (used first, lowest id first, which keeps
     the blocks in use packed at the start of the cache) and cached ones, which still hold a
     reusable prefix and are evicted least-recently-freed first. `free_block_count` counts
-    both."""
+    both. A block's `Block` is made the first time it is handed out (`blocks` holds ids
+    0..n-1 of the blocks ever used), so a huge cache costs nothing until it fills."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         if num_blocks < 1:
@@ -41,8 +42,8 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free_plain: list[int] = list(range(num_blocks))  # a heap
+        self.blocks: list[Block] = []
+        self._free_plain: list[int] = []  # a heap of freed plain ids, all < len(self.blocks)
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
         self._hash_to_block: dict[int, int] = {}
         self.prefix_cache_queries = 0
@@ -54,7 +55,9 @@ class BlockManager:
 
     @property
     def free_block_count(self) -> int:
-        return len(self._free_plain) + len(self._free_cached)
+        return (
+            len(self._free_plain) + len(self._free_cached) + self.num_blocks - len(self.blocks)
+        )
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must gain so that its first `num_tokens` tokens have slots."""
@@ -68,6 +71,9 @@ class BlockManager:
     def _take_free_block(self) -> int:
         if self._free_plain:
             block_id = heapq.heappop(self._free_plain)
+        elif len(self.blocks) < self.num_blocks:  # a never-used block: the lowest plain id
+            block_id = len(self.blocks)
+            self.blocks.append(Block(block_id))
         else:
             block_id, _ = self._free_cached.popitem(last=False)  # evict the LRU cached block
             block = self.blocks[block_id]

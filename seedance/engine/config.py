@@ -43,6 +43,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_batch_size: int = 64
     max_num_batched_tokens: int = 2048
     max_queued_requests: int = 1024
+    """Requests that may wait beyond the batch's free slots (max_batch_size - running); 0 means
+    requests are accepted only while the batch has room."""
     max_model_len: int | None = None
     """Context limit; None means the model's own `max_position_embeddings`."""
     kv_cache_gb: float = 1.0
@@ -64,6 +66,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     trace_output: str | None = None
     """Write a Chrome trace-event JSON of every step and token to this file."""
     seed: int = 0
+    max_stop_strings: int = 16
+    """Most stop strings one request may give (each is matched against every output token)."""
+    max_stop_string_bytes: int = 256
+    """Longest stop string, in UTF-8 bytes: the per-token stop scan costs about this much."""
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must not be empty")
@@ -79,6 +85,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"
         )
         _require(self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0")
+        _require(self.max_stop_strings >= 0, "max_stop_strings", "must be >= 0")
+        _require(self.max_stop_string_bytes >= 1, "max_stop_string_bytes", "must be >= 1")
         _require(
             0.0 < self.gpu_memory_utilization <= 1.0,
             "gpu_memory_utilization",

@@ -37,8 +37,10 @@ class EngineInterface(Protocol):
     ) -> None:
         """Queue a request. `deadline_s` is a soft deadline in seconds from now.
 
-        Raises EngineError: `invalid_request`, `context_length_exceeded`, `overloaded`
-        (waiting queue full). Never blocks on the engine's step."""
+        Raises EngineError: `invalid_request` (any out-of-range parameter, see
+        request_checks), `context_length_exceeded`, `overloaded` (more requests would wait
+        beyond the batch's free slots than `max_queued_requests`), `internal` (shut down, or
+        the loop died). Never blocks on the engine's step."""
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed within one step. Unknown ids are ignored.
@@ -65,4 +67,4 @@ class EngineInterface(Protocol):
         """A snapshot of the engine's counters and gauges."""
 
     def is_ready(self) -> bool:
-        """True once the model is loaded and the loop is stepping."""
+        """True from `start` until `shutdown` or the death of the loop."""

@@ -1,4 +1,4 @@
-"""The engine's step loop, single-threaded: requests in, one `StepOutput` per step out.
+"""The step core with a model, single-threaded: requests in, one `StepOutput` per step out.
 
 Each step runs three stages: `fetch` (schedule, prepare the input tensors), `compute` (forward
 pass, sampling) and `emit` (append tokens, detokenize, check stops, free finished requests,
@@ -12,21 +12,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
 from seedance.engine.block_manager import BlockManager
 from seedance.engine.config import EngineConfig
-from seedance.engine.detokenizer import IncrementalDetokenizer
-from seedance.engine.errors import EngineError, invalid
+from seedance.engine.engine_core import EngineCore
+from seedance.engine.errors import EngineError
 from seedance.engine.loader import load_model_config, resolve_model_path
 from seedance.engine.model_runner import ModelRunner, PreparedBatch, SampledTokens, needs_history
-from seedance.engine.outputs import EngineStats, FinishReason, RequestDelta, StepOutput, Usage
-from seedance.engine.sampling_params import SamplingParams
-from seedance.engine.scheduler import Scheduler, SchedulerOutput
-from seedance.engine.sequence import Sequence, SequenceStatus
+from seedance.engine.outputs import StepOutput
+from seedance.engine.scheduler import SchedulerOutput
 from seedance.engine.tokenizer import Tokenizer
 from seedance.engine.tracing import QueueBacklogMonitor, TraceWriter
 
@@ -48,154 +45,44 @@ class StepWork:
     """Overlap: index in each sampling sequence's `token_ids` of its placeholder token."""
 
 
-class LLMEngine:
-    """Owns the model runner, the block manager, the scheduler and every live request."""
+class LLMEngine(EngineCore):
+    """The step core with a model: owns the model runner, the block manager, the scheduler
+    and every live request (see engine_core for the model-independent half)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         path = resolve_model_path(config.model)
         self.model_path = path
         self.model_config = load_model_config(path)
-        self.tokenizer = Tokenizer(path)
+        self.tokenizer: Tokenizer = Tokenizer(path)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and not eos:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.vocab_size = self.model_config.vocab_size
         self.runner = ModelRunner(config, self.model_config, path)
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_batch_size=config.max_batch_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_queued_requests=config.max_queued_requests,
-            adaptive_window=config.batch_window == "adaptive",
-        )
         self.max_model_len = min(
             self.runner.max_positions, self.runner.num_blocks * config.block_size
         )
         """The context limit: the configured one, within the model's positions and the cache."""
-        self.requests: dict[str, Sequence] = {}
+        self._init_core(
+            config,
+            BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching),
+        )
         self.tracer = TraceWriter(config.trace_output) if config.trace_output else None
         self.backlog = QueueBacklogMonitor()
-        self.step_count = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self._pending: list[RequestDelta] = []
-        """Final deltas of aborted requests, delivered with the next step."""
         self.overlap = (
             self.runner.device.type == "cuda" if config.overlap is None else config.overlap
         )
         self._inflight: tuple[StepWork, SampledTokens | None] | None = None
         """Overlap: the launched step whose tokens are not emitted yet."""
 
-    # ---- requests -----------------------------------------------------------------------------
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Seq[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        deadline_s: float | None = None,
-        arrival_time: float | None = None,
-    ) -> Sequence:
-        """Queue a request. Raises EngineError: invalid_request, context_length_exceeded,
-        overloaded."""
-        now = time.monotonic() if arrival_time is None else arrival_time
-        if not isinstance(request_id, str) or not request_id:
-            raise invalid("request_id", "must be a non-empty string")
-        if request_id in self.requests:
-            raise invalid("request_id", f"{request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise invalid("params", "must be a SamplingParams")
-        if deadline_s is not None and not deadline_s >= 0:
-            raise invalid("deadline_s", "must be >= 0")
-        prompt_ids = self.prompt_token_ids(prompt)
-        detok = IncrementalDetokenizer(
-            self.tokenizer.decode,
-            prompt_ids,
-            stop=params.stop if isinstance(params.stop, list) else None,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens,
-        )
-        seq = Sequence(
-            request_id,
-            prompt_ids,
-            params,
-            priority=priority,
-            deadline=None if deadline_s is None else now + deadline_s,
-            arrival_time=now,
-            detokenizer=detok,
-            eos_token_ids=self.eos_token_ids,
-        )
-        self.scheduler.add(seq, now)
-        self.requests[request_id] = seq
-        self.prompt_tokens_total += len(prompt_ids)
-        return seq
-
-    def prompt_token_ids(self, prompt: str | Seq[int]) -> list[int]:
-        """The prompt's token ids, checked: non-empty, in the vocabulary, and leaving room for
-        at least one generated token. Thread-safe (reads only immutable engine state)."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Seq):
-            ids = list(prompt)  # type: ignore[arg-type]
-            vocab = self.model_config.vocab_size
-            for t in ids:
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                    raise invalid(
-                        "prompt", f"token ids must be integers in [0, {vocab}); got {t!r}"
-                    )
-        else:
-            raise invalid("prompt", "must be a string or a list of token ids")
-        if not ids:
-            raise invalid("prompt", "must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise EngineError(
-                "context_length_exceeded",
-                f"the prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
-                "(prompt plus at least one generated token)",
-                param="prompt",
-            )
-        return ids
-
-    def abort_request(self, request_id: str, *, notify: bool = True) -> None:
-        """Free the request now; its final `cancelled` delta goes out with the next step
-        (unless `notify` is False). Unknown or finished ids are ignored."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
-            return
-        self.scheduler.remove(seq)
-        del seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens :]  # unread placeholders
-        delta = self._final_delta(seq, "cancelled", [], "")
-        if notify:
-            self._pending.append(delta)
-
-    def pause_request(self, request_id: str) -> None:
-        seq = self.requests.get(request_id)
-        if seq is not None:
-            self.scheduler.pause(seq)
-
-    def resume_request(self, request_id: str) -> None:
-        seq = self.requests.get(request_id)
-        if seq is not None:
-            self.scheduler.resume(seq)
-
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending) or self._inflight is not None
+        return super().has_unfinished_requests() or self._inflight is not None
 
     def has_runnable_requests(self) -> bool:
         """True when a step can make progress (something waits or runs, deltas are due, or a
         launched step awaits its emit)."""
-        return bool(
-            self.scheduler.waiting
-            or self.scheduler.running
-            or self._pending
-            or self._inflight is not None
-        )
+        return super().has_runnable_requests() or self._inflight is not None
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -240,8 +127,7 @@ class LLMEngine:
             work.token_positions.append(len(seq.token_ids))
             seq.token_ids.append(-(i + 1))
             if self._ends_by_length(seq, len(seq.token_ids) - 1):
-                self.scheduler.running.remove(seq)
-                seq.status = SequenceStatus.FINISHED
+                self.scheduler.finish_running(seq)
         return sampled
 
     def _resolve(self, work: StepWork, sampled: SampledTokens | None) -> None:
@@ -272,7 +158,7 @@ class LLMEngine:
                 if self.requests.get(seq.request_id) is not seq:
                     continue
                 indices.append(i)
-                deltas.append(self._accept_token(seq, pos, tokens[i], sampled.logprobs[i], t0))
+                deltas.append(self._emit_token(seq, pos, tokens[i], sampled.logprobs[i], t0))
         now = time.monotonic()
         work.timings["detokenize"] = now - t0
         if self.tracer is not None and work.prepared is not None:
@@ -330,7 +216,7 @@ class LLMEngine:
                 indices.append(i)
                 seq.token_ids.append(tokens[i])
                 deltas.append(
-                    self._accept_token(
+                    self._emit_token(
                         seq, len(seq.token_ids) - 1, tokens[i], sampled.logprobs[i], t0
                     )
                 )
@@ -340,108 +226,14 @@ class LLMEngine:
             self._trace(work, sampled, indices)
         return StepOutput(step=work.step, deltas=deltas, timestamp=now)
 
-    def _ends_by_length(self, seq: Sequence, pos: int) -> bool:
-        """Whether the output token at index `pos` of `seq.token_ids` is its last by length."""
-        return pos + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or (
-            pos + 1 >= self.max_model_len
-        )
-
-    def _accept_token(
-        self,
-        seq: Sequence,
-        pos: int,
-        token: int,
-        logprobs: dict[int, float] | None,
-        now: float,
-    ) -> RequestDelta:
-        """Process the new token `token`, already at `seq.token_ids[pos]`: detokenize, check
-        the stop conditions, finish the sequence or build its delta."""
-        self.generation_tokens_total += 1
-        first = seq.first_token_time is None
-        if first:
-            seq.first_token_time = now
-        if seq.logprobs is not None and logprobs is not None:
-            seq.logprobs.append(logprobs)
-        assert seq.detokenizer is not None
-        text, stopped = seq.detokenizer.push([token])
-        reason: FinishReason | None = None
-        if token in seq.stop_token_ids or stopped:
-            reason = "stop"
-        elif self._ends_by_length(seq, pos):
-            reason = "length"
-        queue_time = None
-        if first and seq.first_scheduled_time is not None:
-            queue_time = seq.first_scheduled_time - seq.arrival_time
-        if reason is not None:
-            if not stopped:
-                text += seq.detokenizer.flush()
-            del seq.token_ids[pos + 1 :]  # overlap: the placeholder of a discarded token
-            self.scheduler.remove(seq)
-            self.requests.pop(seq.request_id, None)
-            return self._final_delta(seq, reason, [token], text, logprobs, first, queue_time)
-        delta = RequestDelta(
-            seq.request_id,
-            seq.num_emitted_tokens,
-            [token],
-            text,
-            logprobs=None if logprobs is None else [logprobs],
-            first_token_time=seq.first_token_time if first else None,
-            queue_time=queue_time,
-        )
-        seq.num_emitted_tokens += 1
-        return delta
-
-    def _final_delta(
-        self,
-        seq: Sequence,
-        reason: FinishReason,
-        tokens: list[int],
-        text: str,
-        logprobs: dict[int, float] | None = None,
-        first: bool = False,
-        queue_time: float | None = None,
-        error: EngineError | None = None,
-    ) -> RequestDelta:
-        seq.finish_reason = reason
-        seq.status = SequenceStatus.FINISHED
-        delta = RequestDelta(
-            seq.request_id,
-            seq.num_emitted_tokens,
-            tokens,
-            text,
-            finished=True,
-            finish_reason=reason,
-            usage=self.usage(seq),
-            logprobs=None if logprobs is None else [logprobs],
-            first_token_time=seq.first_token_time if first else None,
-            queue_time=queue_time,
-            error_code=None if error is None else error.code,
-            error_message=None if error is None else error.message,
-        )
-        seq.num_emitted_tokens += len(tokens)
-        return delta
-
-    @staticmethod
-    def usage(seq: Sequence) -> Usage:
-        return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
-
     def fail_all(self, error: EngineError) -> StepOutput:
         """End every request with `error` (after an internal failure), freeing everything."""
-        deltas, self._pending = self._pending, []
         self._inflight = None
-        for seq in list(self.requests.values()):
-            self.scheduler.remove(seq)
-            del seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens :]
-            deltas.append(self._final_delta(seq, "error", [], "", error=error))
-        self.requests.clear()
-        return StepOutput(step=self.step_count, deltas=deltas, timestamp=time.monotonic())
+        return super().fail_all(error)
 
     def abort_all(self) -> StepOutput:
         self._inflight = None
-        for request_id in list(self.requests):
-            self.abort_request(request_id)
-        deltas, self._pending = self._pending, []
-        return StepOutput(step=self.step_count, deltas=deltas, timestamp=time.monotonic())
+        return super().abort_all()
 
     # ---- observability --------------------------------------------------------------------------
 
@@ -474,22 +266,6 @@ class LLMEngine:
                 work.step,
                 work.timings,
             )
-
-    def stats(self) -> EngineStats:
-        s, bm = self.scheduler, self.block_manager
-        return EngineStats(
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            num_paused=len(s.paused),
-            kv_blocks_total=bm.num_blocks,
-            kv_blocks_free=bm.free_block_count,
-            prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            steps=self.step_count,
-        )
 
     def close(self) -> None:
         if self.tracer is not None:

@@ -60,6 +60,9 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     batch_window: int = 0
+    steady: bool = False
+    """A steady decode step: every running sequence, one token each, that token its last
+    uncomputed one (so each of them samples)."""
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +93,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.paused: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self._num_deadlines = 0
+        """Unfinished sequences with a soft deadline (their urgency changes with time)."""
+        self._running_sorted = False
+        """`running` is in urgency order (kept by removals and by admissions in order)."""
         self.watermark_blocks = max(1, int(block_manager.num_blocks * WATERMARK_FRACTION))
 
     # ---- request lifecycle ----------------------------------------------------------------
@@ -99,15 +106,20 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.paused)
 
     def add(self, seq: Sequence, now: float | None = None) -> None:
-        """Queue a new sequence; EngineError('overloaded') when the waiting queue is full."""
-        if len(self.waiting) >= self.max_queued_requests:
+        """Queue a new sequence; EngineError('overloaded') when more than
+        `max_queued_requests` sequences would wait beyond the batch's free slots."""
+        room = max(0, self.max_batch_size - len(self.running))
+        if len(self.waiting) >= self.max_queued_requests + room:
             raise EngineError(
                 "overloaded",
-                f"the waiting queue is full ({self.max_queued_requests} requests)",
+                f"the waiting queue is full ({self.max_queued_requests} requests beyond the "
+                "batch's free slots)",
             )
         self.window.record_arrival(time.monotonic() if now is None else now)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        if seq.deadline is not None:
+            self._num_deadlines += 1
 
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of every queue and free its blocks (finish or abort)."""
@@ -117,7 +129,23 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.PAUSED:
             del self.paused[seq.request_id]
+        self._forget(seq)
+
+    def discard(self, seq: Sequence) -> None:
+        """As `remove`, whatever state a failure left `seq` in: it is taken out of every
+        queue that holds it, and its blocks are freed."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if self.paused.get(seq.request_id) is seq:
+            del self.paused[seq.request_id]
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        if seq.deadline is not None and seq.status is not SequenceStatus.FINISHED:
+            self._num_deadlines -= 1
         seq.status = SequenceStatus.FINISHED
 
     def pause(self, seq: Sequence) -> None:
@@ -141,10 +169,21 @@ class Scheduler:
 
     # ---- the step ---------------------------------------------------------------------------
 
+    def finish_running(self, seq: Sequence) -> None:
+        """Take a running `seq` that just got its last token out of the batch; it keeps its
+        blocks until `remove` (overlap: until its token is emitted)."""
+        self.running.remove(seq)
+        if seq.deadline is not None:
+            self._num_deadlines -= 1
+        seq.status = SequenceStatus.FINISHED
+
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         """Choose this step's batch. Running sequences first (most urgent first), then waiting
         ones while the budget, the batch window and the free blocks allow."""
         now = time.monotonic() if now is None else now
+        steady = self._schedule_steady()
+        if steady is not None:
+            return steady
         out = SchedulerOutput()
         bm = self.block_manager
 
@@ -153,6 +192,7 @@ class Scheduler:
 
         self.waiting.sort(key=key)
         self.running.sort(key=key)
+        self._running_sorted = True
         limit = min(self.max_batch_size, self.window.size(len(self.waiting)))
         out.batch_window = limit
         self._preempt_for_urgent_arrivals(limit, now, out)
@@ -207,11 +247,50 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+            if self.running and key(seq) < key(self.running[-1]):
+                self._running_sorted = False
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
             budget -= num_new
         return out
+
+    def _schedule_steady(self) -> SchedulerOutput | None:
+        """The batch of a steady decode step, without sorting or chunking — or None when the
+        step is not one. Steady: nothing waits, no deadline can reorder the running sequences
+        (already in urgency order), each has exactly one token to compute, the budget covers
+        them all and the free blocks cover those whose blocks are full. The general path
+        would then schedule every running sequence for one token, in the same order, giving
+        the same blocks (tests/unit/engine/test_scheduler.py checks the two agree)."""
+        running = self.running
+        if (
+            self.waiting
+            or not running
+            or self._num_deadlines
+            or not self._running_sorted
+            or len(running) > self.max_num_batched_tokens
+        ):
+            return None
+        bm = self.block_manager
+        block_size = bm.block_size
+        short: list[Sequence] = []
+        for seq in running:
+            computed = seq.num_computed_tokens
+            if len(seq.token_ids) != computed + 1:
+                return None
+            if computed >= len(seq.block_ids) * block_size:
+                short.append(seq)
+        if short:
+            if len(short) > bm.free_block_count:
+                return None
+            for seq in short:
+                bm.allocate(seq, seq.num_computed_tokens + 1)
+        return SchedulerOutput(
+            seqs=list(running),
+            num_new_tokens=[1] * len(running),
+            batch_window=min(self.max_batch_size, self.window.size(0)),
+            steady=True,
+        )
 
     def _chunk(self, seq: Sequence, want: int, *, reserve: bool) -> int:
         """How many of `want` tokens fit in free blocks (adaptive chunking). Prefill chunks

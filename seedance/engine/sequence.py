@@ -6,12 +6,14 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-
-import torch
+from typing import TYPE_CHECKING
 
 from seedance.engine.detokenizer import IncrementalDetokenizer
 from seedance.engine.outputs import FinishReason
 from seedance.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 _arrival_counter = itertools.count()
 
@@ -70,15 +72,23 @@ class Sequence:
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             self.stop_token_ids |= eos_token_ids
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        self._generator: torch.Generator | None = None
 
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, {self.status.value}, tokens={len(self.token_ids)}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
         )
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The request's own random generator when it has a seed (made on first use, so that
+        a core without a model never imports torch)."""
+        if self._generator is None and self.params.seed is not None:
+            import torch
+
+            self._generator = torch.Generator().manual_seed(self.params.seed)
+        return self._generator
 
     @property
     def num_tokens(self) -> int:

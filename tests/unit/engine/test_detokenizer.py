@@ -95,3 +95,48 @@ def test_a_long_stream_keeps_only_the_decode_window_of_ids(tok):
     assert not stopped
     assert "".join(pieces) + d.flush() == text
     assert len(d._ids) <= TRIM_TOKENS + 8  # ids before the window are dropped as it moves
+
+
+def _chars(ids, skip_special_tokens=True) -> str:
+    """A character-level "tokenizer": token id = code point."""
+    return "".join(map(chr, ids))
+
+
+def _scan(text: str, stops: list[str]) -> tuple[IncrementalDetokenizer, str, list[int]]:
+    d = IncrementalDetokenizer(_chars, [], stop=stops)
+    out, per_token = [], []
+    for ch in text:
+        before = d.scanned_chars
+        piece, stopped = d.push([ord(ch)])
+        out.append(piece)
+        per_token.append(d.scanned_chars - before)
+        assert not stopped
+    return d, "".join(out) + d.flush(), per_token
+
+
+def test_the_stop_scan_costs_the_longest_stop_per_token_not_the_text():
+    # 16 long stop strings the text keeps almost matching: the held-back suffix stays long
+    longest = 2000
+    stops = ["ab" * (longest // 2 - 1) + chr(ord("c") + i) + "x" for i in range(16)]
+    text = "ab" * 3000
+    _, out, per_token = _scan(text, stops)
+    assert out == text
+    bound = len(stops) * 4 * (longest + 1)  # a few candidates per stop, each <= its length
+    assert max(per_token) <= bound, (max(per_token), bound)
+    # linear in the text: once the partial match is as long as it gets, the last third of the
+    # stream costs what the middle third did (an O(text) scan would cost twice as much)
+    third = len(per_token) // 3
+    middle, last = sum(per_token[third : 2 * third]), sum(per_token[2 * third :])
+    assert last <= 1.1 * middle, (middle, last)
+
+
+def test_holding_back_a_long_partial_stop_then_releasing_it_is_exact():
+    stop = "abc" * 300 + "!"
+    text = "abc" * 400 + "?" + "abc" * 10
+    _, out, _ = _scan(text, [stop, "zz"])
+    assert out == text
+    d = IncrementalDetokenizer(_chars, [], stop=[stop])
+    emitted = "".join(d.push([ord(c)])[0] for c in "xx" + "abc" * 300)
+    assert emitted == "xx"  # all of it may still become the stop string
+    piece, stopped = d.push([ord("!")])
+    assert stopped and piece == ""

@@ -174,6 +174,7 @@ def test_full_queue_is_overloaded(llama_dir):
             device="cpu",
             kv_cache_gb=0.01,
             block_size=16,
+            max_batch_size=1,
             max_queued_requests=3,
         )
     )
@@ -188,7 +189,7 @@ def test_full_queue_is_overloaded(llama_dir):
     et.start(blocking)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     et.submit("first", [1, 2], params)
-    assert in_callback.wait(TIMEOUT)
+    assert in_callback.wait(TIMEOUT)  # "first" holds the batch's one slot
     for i in range(3):
         et.submit(f"q{i}", [1, 2], params)
     with pytest.raises(EngineError) as err:

@@ -176,12 +176,26 @@ def test_remove_frees_blocks_wherever_the_sequence_is():
     assert s.block_manager.free_block_count == s.block_manager.num_blocks
 
 
-def test_full_waiting_queue_is_overloaded():
-    s = make(queued=2)
+def test_the_queue_bound_counts_only_requests_beyond_the_free_batch_slots():
+    s = make(batch=2, queued=1)
     s.add(seq("a", 2), 0.0)
-    s.add(seq("b", 2), 0.0)
+    s.add(seq("b", 2), 0.0)  # two free slots: both fit the batch
+    s.add(seq("c", 2), 0.0)  # the one request allowed to wait
     with pytest.raises(EngineError) as err:
-        s.add(seq("c", 2), 0.0)
+        s.add(seq("d", 2), 0.0)
+    assert err.value.code == "overloaded"
+    finish_step(s, s.schedule(0.0))  # a and b run: no free slot, c waits
+    with pytest.raises(EngineError):
+        s.add(seq("e", 2), 0.0)
+
+
+def test_a_zero_queue_bound_accepts_while_the_batch_has_room():
+    s = make(batch=2, queued=0)
+    s.add(seq("a", 2), 0.0)
+    finish_step(s, s.schedule(0.0))
+    s.add(seq("b", 2), 0.0)  # one slot left
+    with pytest.raises(EngineError) as err:
+        s.add(seq("c", 2), 0.0)  # b takes the last slot: nothing may wait
     assert err.value.code == "overloaded"
 
 
@@ -213,3 +227,69 @@ def test_adaptive_window_limits_admission():
         s.add(seq(f"r{i}", 2), float(i))  # 1 s apart: the window is the minimum, 4
     out = s.schedule(8.0)
     assert out.batch_window < 8 and len(out.seqs) == out.batch_window
+
+
+def general_schedule(s: Scheduler, now: float) -> SchedulerOutput:
+    """`schedule` with its steady-state shortcut turned off."""
+    steady = s._schedule_steady
+    s._schedule_steady = lambda: None  # type: ignore[method-assign]
+    try:
+        return s.schedule(now)
+    finally:
+        s._schedule_steady = steady  # type: ignore[method-assign]
+
+
+def snapshot(s: Scheduler, out: SchedulerOutput) -> tuple[object, ...]:
+    return (
+        ids(out),
+        out.num_new_tokens,
+        [q.request_id for q in out.preempted],
+        out.batch_window,
+        {q.request_id: list(q.block_ids) for q in s.running},
+        s.block_manager.free_block_count,
+    )
+
+
+@pytest.mark.parametrize("num_blocks", [12, 14, 40])
+def test_the_steady_decode_shortcut_schedules_what_the_general_path_does(num_blocks):
+    """Two schedulers driven identically, one never taking the shortcut: the same batches,
+    blocks and preemptions, step after step (blocks fill, the cache runs short, a request
+    with a deadline arrives and ends)."""
+    fast, slow = make(num_blocks=num_blocks, budget=64), make(num_blocks=num_blocks, budget=64)
+    taken = []
+    shortcut = fast._schedule_steady
+
+    def counted() -> SchedulerOutput | None:
+        out = shortcut()
+        taken.append(out is not None)
+        return out
+
+    fast._schedule_steady = counted  # type: ignore[method-assign]
+    for step in range(40):
+        if step in (0, 1):
+            for s in (fast, slow):
+                for r in "abc" if step == 0 else "de":
+                    s.add(seq(r + str(step), 3, priority=ord(r) % 3), 0.0)
+        if step == 20:
+            for s in (fast, slow):
+                s.add(seq("due", 2, deadline=30.0), 0.0)
+        a, b = fast.schedule(float(step)), general_schedule(slow, float(step))
+        assert snapshot(fast, a) == snapshot(slow, b), f"step {step}"
+        for s, out in ((fast, a), (slow, b)):
+            finish_step(s, out)
+            for q in list(s.running):
+                if q.num_output_tokens >= 12:
+                    s.remove(q)
+    assert sum(taken) > 5 and not all(taken)  # the shortcut really ran, and was declined
+
+
+def test_the_steady_shortcut_is_skipped_while_anything_waits_or_has_a_deadline():
+    s = make()
+    s.add(seq("a", 2), 0.0)
+    finish_step(s, s.schedule(0.0))
+    assert s._schedule_steady() is not None
+    s.add(seq("b", 2, deadline=5.0), 0.0)
+    assert s._schedule_steady() is None  # b waits
+    finish_step(s, s.schedule(0.0))
+    assert s._schedule_steady() is None  # b's deadline may reorder the batch
+    s.remove(s.running[-1] if s.running[-1].request_id == "b" else s.running[0])
