@@ -161,6 +161,8 @@ async def _generate(
     except EngineError as exc:
         if exchange.started:
             raise
+        if exc.code == "internal" and not ctx.engine.is_ready():  # the engine loop died
+            raise unavailable("the engine is not serving", code="engine_unavailable") from None
         raise from_engine_error(exc) from None
 
 

@@ -14,7 +14,6 @@ from seedance.engine.sampling_params import SamplingParams
 from seedance.protocol import MAX_JSON_DEPTH, exceeds_json_depth
 from seedance.server.http.errors import bad_request, from_engine_error
 
-MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
 
@@ -90,8 +89,6 @@ def _stop(body: dict[str, Any]) -> list[str] | None:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise bad_request("stop: must be a string or a list of strings", "stop", "invalid_type")
-    if len(value) > MAX_STOP_STRINGS:
-        raise bad_request(f"stop: at most {MAX_STOP_STRINGS} strings", "stop")
     return value or None
 
 

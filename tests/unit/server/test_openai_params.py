@@ -78,7 +78,6 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
         ({"min_p": 2}, "min_p"),
         ({"n": 3}, "n"),
         ({"stop": [1]}, "stop"),
-        ({"stop": ["a"] * 17}, "stop"),
         ({"stop_token_ids": ["a"]}, "stop_token_ids"),
         ({"frequency_penalty": 5}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
