@@ -8,14 +8,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from ._connection import (
-    _OPEN,
-    ConnectionState,
-    _Connection,
-    _PendingPong,
-    _violation,
-)
-from ._framing import SMALL_FRAME, SMALL_HEADERS, _unpack_header_from, pack_header
+from ._connection import BaseConnection, ConnectionState, PendingPong, violation
+from ._framing import SMALL_FRAME, SMALL_HEADERS, check_header, pack_header, unpack_header_from
 from ._heartbeat import CONNECTION, SESSION, Key
 from ._session import Role, SessionState
 from ._stream_state import StreamRecord, next_state
@@ -44,20 +38,20 @@ from .messages import (
     GoAway,
     Heartbeat,
     Hello,
-    Message,
     Open,
     Ping,
     Pong,
     ReliableMessage,
     SamplingOptions,
     Welcome,
-    _remote_error,
 )
 
 __all__ = ["ClientConnection"]
 
+_OPEN = ConnectionState.OPEN
 
-class ClientConnection(_Connection):
+
+class ClientConnection(BaseConnection):
     """The client side of one transport. Pass `session=` (the old connection's session) to
     resume it on this transport."""
 
@@ -178,7 +172,7 @@ class ClientConnection(_Connection):
 
     def _on_welcome(self, message: Welcome, now: float) -> None:
         if self.state is not ConnectionState.AWAIT_WELCOME:
-            raise _violation("welcome without a pending hello")
+            raise violation("welcome without a pending hello")
         if message.v != PROTOCOL_VERSION:
             raise RemoteProtocolError(
                 ErrorCode.UNSUPPORTED_VERSION, f"server speaks version {message.v}"
@@ -192,10 +186,10 @@ class ClientConnection(_Connection):
             self.session = session
         elif not self._resuming:
             if message.resumed:
-                raise _violation("resumed=true answers a hello without a session")
+                raise violation("resumed=true answers a hello without a session")
             session.id = message.session
         elif message.session != session.id:
-            raise _violation("resumed a different session")
+            raise violation("resumed a different session")
         hb = message.heartbeat
         intervals = HeartbeatIntervals(connection=hb.connection, session=hb.session,
                                        stream=hb.stream)
@@ -222,126 +216,114 @@ class ClientConnection(_Connection):
 
     def _on_goaway(self, message: GoAway, now: float) -> None:
         if self.state is not _OPEN:
-            raise _violation("goaway before the handshake")
+            raise violation("goaway before the handshake")
         assert self.session is not None
         self.session.going_away = True
         self._events.append(GoAwayReceived(reason=message.reason))
 
     def receive_data(self, data: bytes | bytearray | memoryview, now: float) -> None:
-        """Feed bytes from the transport (see `_Connection.receive_data`).
+        """Feed bytes from the transport (see `BaseConnection.receive_data`).
 
-        The per-token hot path is inlined here: a read of exactly one whole frame holding the
-        next in-order `delta` of an accepted stream, within its credit (§1, §6, §9), is applied
-        at once; a read of several frames goes to `_receive_frames`. Anything else, including
-        every error, takes the general path, which checks and reports it.
+        The per-token hot path: while open with no partial frame held, the read's whole frames
+        are cut and decoded here, straight from `data` (a read of exactly one frame, the usual
+        token's delta, without a view); every in-order `delta` among them is applied in this
+        loop and one ack (when due) covers the read (§7.2); anything else goes to its handler,
+        a frame cut by the read's end to the decoder. Every delta, on this path or any other,
+        is applied by `_apply_delta`, the one place its stream, index and credit are checked
+        (§4, §9), after the receive window counted it in order (§6).
         """
         session = self._live
-        if session is None or self._pending_input:
+        decoder = self._decoder
+        if session is None or decoder.has_partial_frame:
             super().receive_data(data, now)
             return
+        self._now = now
         size = len(data)
-        if not HEADER_SIZE < size <= self._max_frame_size or data[:8] != (
-            SMALL_HEADERS[size - 8] if size - 8 < SMALL_FRAME else pack_header(MAGIC, size - 8)
+        if HEADER_SIZE < size <= self._max_frame_size and data[:HEADER_SIZE] == (
+            SMALL_HEADERS[size - HEADER_SIZE]
+            if size - HEADER_SIZE < SMALL_FRAME
+            else pack_header(MAGIC, size - HEADER_SIZE)
         ):
-            self._receive_frames(data, now, session)
+            # exactly one whole frame: the usual read (a token's delta)
+            payload = data[HEADER_SIZE:]
+            try:
+                try:
+                    message = self._raw_decode(payload)
+                except msgspec.MsgspecError:
+                    message = self._decode(payload)  # raises the §12 error naming the field
+                if type(message) is Delta and session.recv.take_next(message.seq, now):
+                    self._apply_delta(message, session)
+                else:
+                    self._receive_message(message, now)
+                if session.recv.immediate and self._live is session:
+                    self._write_ack()
+            except RemoteProtocolError as exc:
+                self._fail(exc)
+                raise
             return
-        try:
-            message = self._raw_decode(data[8:])
-        except msgspec.MsgspecError:
-            message = None
-        self._now = now
-        if type(message) is Delta and self._take_delta(message, session, now):
-            if session.recv.immediate:
-                self._write_ack()
-            return
-        super().receive_data(data, now)
-
-    def _receive_frames(
-        self, data: bytes | bytearray | memoryview, now: float, session: SessionState
-    ) -> None:
-        """A read of several frames: each whole frame holding the next in-order `delta` is
-        applied in this loop, and one ack (when due) covers the read. At the first frame that
-        is anything else — another message, an error, a frame cut by the read's end — the rest
-        of the read takes the general path."""
-        self._now = now
         if type(data) is not bytes:
             data = bytes(data)  # the views below must not pin a caller's bytearray
-        size = len(data)
-        view = memoryview(data)
+        live: SessionState | None = session
         raw_decode = self._raw_decode
-        take_delta = self._take_delta
-        max_payload = self._max_frame_size - HEADER_SIZE
+        apply_delta = self._apply_delta
+        max_frame = decoder.max_frame
+        view: memoryview | None = None
         offset = 0
-        while size - offset > HEADER_SIZE:
-            magic, length = _unpack_header_from(data, offset)
-            end = offset + HEADER_SIZE + length
-            if magic != MAGIC or not 0 < length <= max_payload or end > size:
-                break
-            try:
-                message = raw_decode(view[offset + HEADER_SIZE : end])
-            except msgspec.MsgspecError:
-                break
-            if type(message) is not Delta or not take_delta(message, session, now):
-                break
-            offset = end
-        if offset < size:
-            super().receive_data(view[offset:] if offset else data, now)  # writes a due ack
-        elif session.recv.immediate and self._live is session:
-            self._write_ack()
-
-    def _take_delta(self, message: Delta, session: SessionState, now: float) -> bool:
-        """Apply `message` when it is the next in-order delta of an accepted stream, within its
-        credit — the same effects as ReceiveWindow.take_next + _apply_delta, the ack counted
-        but not written — and return True; else change nothing and return False."""
-        record = session.streams.get(message.stream)
-        if record is None or not record.flowing:
-            return False
-        index = message.index
-        tokens = message.tokens
-        end = index + len(tokens)
-        limit = record.limit
-        if index != record.sent or (limit is not None and end > limit):
-            return False
-        if not session.recv.take_next(message.seq, now):
-            return False
-        record.sent = end
-        self._events.append(DeltaReceived(message.stream, index, message.text, tokens))
-        return True
-
-    def _receive_payload(self, payload: bytes | bytearray | memoryview, now: float) -> None:
         try:
-            message = self._raw_decode(payload)
-        except msgspec.MsgspecError as exc:
-            raise _remote_error(exc) from None
-        self._receive_payload_message(message, now)
+            while size - offset > HEADER_SIZE:
+                magic, length = unpack_header_from(data, offset)
+                if magic != MAGIC or length == 0 or length > max_frame:
+                    check_header(magic, length, max_frame)
+                end = offset + HEADER_SIZE + length
+                if end > size:
+                    break
+                if view is None:
+                    view = memoryview(data)
+                payload = view[offset + HEADER_SIZE : end]
+                offset = end
+                try:
+                    message = raw_decode(payload)
+                except msgspec.MsgspecError:
+                    message = self._decode(payload)  # raises the §12 error naming the field
+                if type(message) is Delta and live is not None and live.recv.take_next(
+                    message.seq, now
+                ):
+                    apply_delta(message, live)
+                else:
+                    self._receive_message(message, now)
+                    live = self._live  # a message may close the connection
+            if offset < size:
+                for payload in decoder.feed(data[offset:] if offset else data):
+                    self._receive_message(self._decode(payload), now)  # never: a cut frame
+            live = self._live
+            if live is not None and live.recv.immediate:
+                self._write_ack()
+        except RemoteProtocolError as exc:
+            self._fail(exc)
+            raise
 
-    def _receive_payload_message(self, message: Message, now: float) -> None:
+    def _on_delta(self, message: Delta, now: float) -> None:
+        """A `delta` that did not take the in-order path of `receive_data` (from the decoder,
+        a batch, or out of order): through the receive window, which holds it, drops it as a
+        duplicate or releases it with the frames it unblocks, each to `_apply`."""
         session = self._live
-        # fast path: the next delta in order, nothing held (docs/protocol.md §6)
-        if (
-            type(message) is Delta
-            and session is not None
-            and session.recv.take_next(message.seq, now)
-        ):
-            self._apply_delta(message, session.streams.get(message.stream))
-            return
-        handler = self._handlers.get(type(message))
-        if handler is None:
-            raise _violation(f"{type(message).__name__.lower()} is not sent to a {self._role}")
-        handler(self, message, now)
+        if session is not None and session.recv.take_next(message.seq, now):
+            self._apply_delta(message, session)
+        else:
+            self._on_reliable(message, now)
 
     def _apply(self, message: ReliableMessage, now: float) -> None:
         session = self.session
         assert session is not None
-        stream = message.stream
-        record = session.streams.get(stream)
-        if record is None:
-            raise _violation(f"{type(message).__name__.lower()} for unknown stream {stream}")
         kind = type(message)
         if kind is Delta:
             assert isinstance(message, Delta)
-            self._apply_delta(message, record)
+            self._apply_delta(message, session)
             return
+        stream = message.stream
+        record = session.streams.get(stream)
+        if record is None:
+            raise violation(f"{type(message).__name__.lower()} for unknown stream {stream}")
         if kind is Accept:
             assert isinstance(message, Accept)
             self._step(record, stream, "accept")
@@ -360,32 +342,31 @@ class ClientConnection(_Connection):
                         error=message.error)
         )
 
-    def _apply_delta(self, message: Delta, record: StreamRecord | None) -> None:
-        stream = message.stream
-        if record is None:
-            raise _violation(f"delta for unknown stream {stream}")
-        if not record.flowing:
-            raise _violation(f"delta on stream {stream} before accept")
-        credit = record
+    def _apply_delta(self, message: Delta, session: SessionState) -> None:
+        """Deliver one in-order `delta` (the receive window has counted it): the one check of
+        its stream (accepted), index (the next token) and credit, then the event."""
+        record = session.streams.get(message.stream)
         tokens = message.tokens
         index = message.index
-        if index != credit.sent:
-            raise _violation(f"delta index {index} on stream {stream}, expected {credit.sent}")
         end = index + len(tokens)
-        limit = credit.limit
-        if limit is not None and end > limit:
-            raise _violation(f"delta beyond stream {stream}'s credit ({end} > {limit})")
-        credit.sent = end
-        self._events.append(DeltaReceived(stream, index, message.text, tokens))
+        if (
+            record is None
+            or not record.flowing
+            or index != record.sent
+            or (record.limit is not None and end > record.limit)
+        ):
+            raise _bad_delta(message, record)
+        record.sent = end
+        self._events.append(DeltaReceived(message.stream, index, message.text, tokens))
 
     @staticmethod
     def _step(record: StreamRecord, stream: int, event: Any) -> None:
         state = next_state(record.state, event)
         if state is None:
-            raise _violation(f"{event} on stream {stream} in state {record.state.value}")
+            raise violation(f"{event} on stream {stream} in state {record.state.value}")
         record.state = state
 
-    def _answer_ping(self, ping: _PendingPong) -> None:
+    def _answer_ping(self, ping: PendingPong) -> None:
         super()._answer_ping(ping)
         session = self.session
         if self.state is _OPEN and ping.tier == "stream" and ping.stream and session is not None:
@@ -414,13 +395,26 @@ class ClientConnection(_Connection):
 
     _handlers: ClassVar[dict[type[Any], Any]] = {
         Welcome: _on_welcome,
-        Ack: _Connection._on_ack,
-        Ping: _Connection._on_ping,
-        Pong: _Connection._on_pong,
-        Error: _Connection._on_error,
+        Ack: BaseConnection._on_ack,
+        Ping: BaseConnection._on_ping,
+        Pong: BaseConnection._on_pong,
+        Error: BaseConnection._on_error,
         GoAway: _on_goaway,
-        Batch: _Connection._on_batch,
-        Accept: _Connection._on_reliable,
-        Delta: _Connection._on_reliable,
-        End: _Connection._on_reliable,
+        Batch: BaseConnection._on_batch,
+        Accept: BaseConnection._on_reliable,
+        Delta: _on_delta,
+        End: BaseConnection._on_reliable,
     }
+
+
+def _bad_delta(message: Delta, record: StreamRecord | None) -> RemoteProtocolError:
+    """The `protocol_violation` for a delta `_apply_delta` refuses, saying which rule broke."""
+    stream = message.stream
+    if record is None:
+        return violation(f"delta for unknown stream {stream}")
+    if not record.flowing:
+        return violation(f"delta on stream {stream} before accept")
+    if message.index != record.sent:
+        return violation(f"delta index {message.index} on stream {stream}, expected {record.sent}")
+    end = message.index + len(message.tokens)
+    return violation(f"delta beyond stream {stream}'s credit ({end} > {record.limit})")

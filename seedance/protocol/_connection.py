@@ -7,24 +7,22 @@ that a later connection can attach to (§11). The roles are `ServerConnection` (
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from enum import Enum
 from typing import Any, ClassVar, Final
 
 import brotli
-import msgspec
 
 from ._framing import (
     SMALL_FRAME,
     SMALL_HEADERS,
     FrameDecoder,
-    _unpack_header_from,
     pack_header,
     split_frames,
+    unpack_header_from,
 )
 from ._heartbeat import HeartbeatSchedule, Key, Tier
-from ._send_window import SendWindow
 from ._session import Role, SessionState
-from ._stream_state import StreamState
 from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError, close_code_for
 from .events import (
     Event,
@@ -42,10 +40,9 @@ from .messages import (
     Ping,
     Pong,
     ReliableMessage,
-    _remote_error,
 )
 
-__all__ = ["ConnectionState"]
+__all__ = ["BaseConnection", "ConnectionState", "PendingPong", "violation"]
 
 _COMPRESS_MIN: Final = 512
 """Batches smaller than this are never compressed: brotli cannot win enough to pay."""
@@ -66,10 +63,9 @@ class ConnectionState(Enum):
 
 
 _OPEN = ConnectionState.OPEN
-_CANCELLED = StreamState.CANCELLED
 
 
-class _PendingPong:
+class PendingPong:
     """A session/stream-tier ping waiting in the event queue: answered when the application
     pulls it, so the pong proves the application is draining its events (§10)."""
 
@@ -81,11 +77,12 @@ class _PendingPong:
         self.stream = stream
 
 
-def _violation(message: str) -> RemoteProtocolError:
+def violation(message: str) -> RemoteProtocolError:
+    """A `protocol_violation` (§12) saying `message`, for the caller to raise."""
     return RemoteProtocolError(ErrorCode.PROTOCOL_VIOLATION, message)
 
 
-class _Connection(ABC):
+class BaseConnection(ABC):
     """What both roles share: framing, codecs, acks, retransmission, heartbeats, errors."""
 
     __slots__ = (
@@ -96,14 +93,13 @@ class _Connection(ABC):
         "_decoder",
         "_encode",
         "_events",
+        "_hand_over",
         "_heartbeat",
         "_live",
-        "_live_send",
         "_max_frame_size",
         "_now",
         "_out",
         "_peer_max_frame",
-        "_pending_input",
         "_pending_pongs",
         "_raw_decode",
         "codec",
@@ -123,11 +119,10 @@ class _Connection(ABC):
         self._decode = self._codec.decode
         self._raw_decode = self._codec.raw_decode
         self._decoder = FrameDecoder(self.limits.max_frame)
-        self._pending_input = self._decoder._buffer  # non-empty: a frame is incomplete
         self._max_frame_size = self.limits.max_frame + HEADER_SIZE  # a whole frame, with header
         self._coalesce = coalesce
         self._out: list[bytes] = []  # whole frames, one per item, not yet handed over
-        self._events: list[Event | _PendingPong] = []
+        self._events: list[Event | PendingPong] = []
         self._cursor = 0  # next_event's position in _events
         self._pending_pongs = 0
         self._now = 0.0
@@ -135,7 +130,7 @@ class _Connection(ABC):
         self._peer_max_frame = DEFAULT_MAX_FRAME
         self.session: SessionState | None = None
         self._live: SessionState | None = None  # `session` while `state` is OPEN, else None
-        self._live_send: SendWindow[ReliableMessage] | None = None  # `_live.send`
+        self._hand_over: Callable[[float], None] | None = None  # `_live.send.handed_over`
         self.state = ConnectionState.IDLE
         self.error: RemoteProtocolError | None = None
         """The error that closed this connection, if the peer broke the protocol."""
@@ -150,11 +145,15 @@ class _Connection(ABC):
         self._now = now
         decoder = self._decoder
         try:
-            if not decoder._buffer and len(data) > 8:
+            if not decoder.has_partial_frame and len(data) > HEADER_SIZE:
                 # fast path: exactly one whole, valid frame (a token's delta, an ack)
-                magic, length = _unpack_header_from(data, 0)
-                if magic == MAGIC and length == len(data) - 8 and length <= decoder.max_frame:
-                    self._receive_payload(data[8:], now)
+                magic, length = unpack_header_from(data, 0)
+                if (
+                    magic == MAGIC
+                    and length == len(data) - HEADER_SIZE
+                    and length <= decoder.max_frame
+                ):
+                    self._receive_payload(data[HEADER_SIZE:], now)
                     live = self._live
                     if live is not None and live.recv.immediate:
                         self._write_ack()
@@ -178,7 +177,7 @@ class _Connection(ABC):
             if self._cursor == len(events):
                 events.clear()
                 self._cursor = 0
-            if type(event) is _PendingPong:
+            if type(event) is PendingPong:
                 self._pending_pongs -= 1
                 self._answer_ping(event)
                 continue
@@ -201,16 +200,16 @@ class _Connection(ABC):
         out = self._out
         if not out:
             return b""
-        send = self._live_send
-        if send is not None:
-            if send._timed_seq is not None and send.deadline is not None:
-                send._handed = send.next_unsent  # all SendWindow.handed_over does in this case
-            else:
-                send.handed_over(now)
-        self._out = []
+        hand_over = self._hand_over
+        if hand_over is not None:
+            hand_over(now)
         if len(out) == 1:
-            return out[0]
-        return self._batched(out) if self._coalesce else b"".join(out)
+            data = out[0]
+            out.clear()  # the list is kept: no allocation per write
+            return data
+        data = self._batched(out) if self._coalesce else b"".join(out)
+        out.clear()
+        return data
 
     def next_deadline(self) -> float | None:
         """When `handle_timers` must next run (None: no timer armed)."""
@@ -346,18 +345,18 @@ class _Connection(ABC):
     # -- internals: input -----------------------------------------------------------------------
 
     def _receive_payload(self, payload: bytes | bytearray | memoryview, now: float) -> None:
-        try:
-            message = self._raw_decode(payload)
-        except msgspec.MsgspecError as exc:
-            raise _remote_error(exc) from None
+        self._receive_message(self._decode(payload), now)
+
+    def _receive_message(self, message: Message, now: float) -> None:
+        """Hand one decoded message to its role's handler (§3: what each side may receive)."""
         handler = self._handlers.get(type(message))
         if handler is None:
-            raise _violation(f"{type(message).__name__.lower()} is not sent to a {self._role}")
+            raise violation(f"{type(message).__name__.lower()} is not sent to a {self._role}")
         handler(self, message, now)
 
     def _on_reliable(self, message: ReliableMessage, now: float) -> None:
         if self.state is not _OPEN:
-            raise _violation(f"{type(message).__name__.lower()} before the handshake")
+            raise violation(f"{type(message).__name__.lower()} before the handshake")
         session = self.session
         assert session is not None
         for deliverable in session.recv.receive(message.seq, message, now):
@@ -370,7 +369,7 @@ class _Connection(ABC):
     def _on_ack(self, message: Ack, now: float) -> None:
         session = self._live
         if session is None:
-            raise _violation("ack before the handshake")
+            raise violation("ack before the handshake")
         send = session.send
         room_before = send.end - send.next_seq
         progress = send.on_ack(message.ack, message.sack, now)
@@ -387,21 +386,21 @@ class _Connection(ABC):
 
     def _on_ping(self, message: Ping, now: float) -> None:
         if self.state is not _OPEN:
-            raise _violation("ping before the handshake")
+            raise violation("ping before the handshake")
         if message.tier == "connection":
             self._write(Pong(tier="connection", nonce=message.nonce))
         else:
-            self._events.append(_PendingPong(message.tier, message.nonce, message.stream))
+            self._events.append(PendingPong(message.tier, message.nonce, message.stream))
             self._pending_pongs += 1
 
-    def _answer_ping(self, ping: _PendingPong) -> None:
+    def _answer_ping(self, ping: PendingPong) -> None:
         if self.state is not _OPEN:
             return
         self._write(Pong(tier=ping.tier, nonce=ping.nonce, stream=ping.stream))
 
     def _on_pong(self, message: Pong, now: float) -> None:
         if self.state is not _OPEN:
-            raise _violation("pong before the handshake")
+            raise violation("pong before the handshake")
         heartbeat = self._heartbeat
         assert heartbeat is not None and self.session is not None
         rtt = heartbeat.on_pong(message.tier, message.stream or 0, message.nonce, now)
@@ -439,11 +438,8 @@ class _Connection(ABC):
         for payload in split_frames(data, max_frame):
             inner = self._decode(payload)
             if type(inner) is Batch:
-                raise _violation("a batch inside a batch")
-            handler = self._handlers.get(type(inner))
-            if handler is None:
-                raise _violation(f"{type(inner).__name__.lower()} is not sent to a {self._role}")
-            handler(self, inner, now)
+                raise violation("a batch inside a batch")
+            self._receive_message(inner, now)
             if self.state is ConnectionState.CLOSED:
                 return
 
@@ -478,12 +474,12 @@ class _Connection(ABC):
     def _opened(self, session: SessionState) -> None:
         """The handshake is done: `session` is attached and the connection is OPEN."""
         self.session = self._live = session
-        self._live_send = session.send
+        self._hand_over = session.send.handed_over
         self.state = _OPEN
 
     def _close(self, *, discard: bool) -> None:
         self.state = ConnectionState.CLOSED
-        self._live = self._live_send = None
+        self._live = self._hand_over = None
         self._heartbeat = None
         session = self.session
         if session is not None:
@@ -509,7 +505,7 @@ class _Connection(ABC):
         assert session is not None
         send = session.send
         if not send.acked <= peer_ack <= send.next_unsent:
-            raise _violation(f"resume ack {peer_ack} outside [{send.acked}, {send.next_unsent}]")
+            raise violation(f"resume ack {peer_ack} outside [{send.acked}, {send.next_unsent}]")
         send.on_ack(peer_ack, (), now)
         for seq in send.resend_from(peer_ack):
             send.mark_retransmitted(seq)

@@ -13,7 +13,9 @@ from .limits import HEADER_SIZE, MAGIC
 
 _HEADER = struct.Struct(">II")
 pack_header = _HEADER.pack
-_unpack_header_from = _HEADER.unpack_from
+"""`pack_header(magic, length)`: the 8 header bytes of a frame."""
+unpack_header_from = _HEADER.unpack_from
+"""`unpack_header_from(data, offset)`: the `(magic, length)` of the header at `offset`."""
 
 SMALL_FRAME: Final = 256
 """Payloads shorter than this take their header from `SMALL_HEADERS`."""
@@ -51,15 +53,20 @@ class FrameDecoder:
     At most one frame's payload (<= `max_frame`) plus one header is ever waited for; a header
     that announces a bad frame raises as soon as its 8 bytes are in, and the buffer is dropped.
     After an error the decoder refuses more input.
+
+    `has_partial_frame` (read-only) is False when no byte is held, once every payload of the
+    last `feed` was taken: a caller may then cut a read of whole frames itself.
     """
 
-    __slots__ = ("_buffer", "_failed", "_offset", "max_frame")
+    __slots__ = ("_buffer", "_failed", "_offset", "has_partial_frame", "max_frame")
 
     def __init__(self, max_frame: int) -> None:
         self.max_frame = max_frame
         self._buffer = bytearray()
         self._offset = 0  # start of the first unconsumed byte in _buffer
         self._failed = False
+        self.has_partial_frame = False
+        """Bytes are held (part of a frame, or payloads of a `feed` not yet taken)."""
 
     @property
     def buffered(self) -> int:
@@ -79,6 +86,7 @@ class FrameDecoder:
             del buffer[: self._offset]
             self._offset = 0
         buffer += data
+        self.has_partial_frame = bool(buffer)
         return self._payloads()
 
     def _payloads(self) -> Iterator[bytes]:
@@ -90,12 +98,14 @@ class FrameDecoder:
                 if offset == len(buffer):
                     buffer.clear()
                     self._offset = 0
+                    self.has_partial_frame = False
                 return
-            magic, length = _unpack_header_from(buffer, offset)
+            magic, length = unpack_header_from(buffer, offset)
             if magic != MAGIC or length == 0 or length > max_frame:
                 self._failed = True
                 buffer.clear()
                 self._offset = 0
+                self.has_partial_frame = False
                 check_header(magic, length, max_frame)
             end = offset + HEADER_SIZE + length
             if end > len(buffer):

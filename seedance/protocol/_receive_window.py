@@ -94,8 +94,8 @@ class ReceiveWindow(Generic[T]):
         if seq != self.ack or self._held:
             return False
         self.ack = seq + 1
-        self._unacked += 1
-        if self._unacked >= self._ack_every:
+        unacked = self._unacked = self._unacked + 1
+        if unacked >= self._ack_every:
             self.immediate = True
         elif self.deadline is None:
             self.deadline = now + self._ack_delay

@@ -50,11 +50,34 @@ class RetransmitTimer:
         self.backoff = 0
 
 
+def check_sack(ack: int, sack: tuple[tuple[int, int], ...], next_seq: int) -> None:
+    """§7.3: raise `protocol_violation` unless every SACK range `[start, end)` is non-empty,
+    starts above `ack` and above the previous range's end (ascending, disjoint, with the
+    missing frame between them that made them two ranges), and ends at or below `next_seq`."""
+    low = ack
+    for start, end in sack:
+        if low < start < end <= next_seq:
+            low = end
+            continue
+        if start >= end:
+            problem = "is empty"
+        elif start <= ack:
+            problem = f"starts at or below ack {ack}"
+        elif start <= low:
+            problem = f"overlaps, touches or precedes the range before it (ending at {low})"
+        else:
+            problem = f"reaches beyond the next seq {next_seq}"
+        raise RemoteProtocolError(
+            ErrorCode.PROTOCOL_VIOLATION, f"sack range [{start}, {end}) {problem}"
+        )
+
+
 class SendWindow(Generic[T]):
     """Reliable frames from sequence number assignment until acknowledgement.
 
     Frames with `seq < acked` are acknowledged and forgotten. The owner writes frames in order
-    and advances `next_unsent` past them; `handed_over(now)` says they reached the transport.
+    and advances `next_unsent` past them (or numbers and writes one at once: `push_written`);
+    `handed_over(now)` says they reached the transport.
     `peer_window` bounds `next_seq - acked` (§9.1): `room` is how many more frames may be
     numbered now. One frame at a time is timed for an RTT sample (as in BSD TCP; RFC 6298
     asks for at least one sample per round trip).
@@ -140,6 +163,14 @@ class SendWindow(Generic[T]):
         self.next_seq = seq + 1
         return seq
 
+    def push_written(self, frame: T) -> int:
+        """`push` for an owner that writes `frame` at once (nothing may wait to be written):
+        also count it written, past `next_unsent`."""
+        seq = self.next_seq
+        self._entries[seq] = frame
+        self.next_seq = self.next_unsent = seq + 1
+        return seq
+
     def frame(self, seq: int) -> T:
         return self._entries[seq]
 
@@ -148,12 +179,12 @@ class SendWindow(Generic[T]):
 
     def handed_over(self, now: float) -> None:
         """Everything written so far reached the transport at `now`: time one new frame for
-        an RTT sample and start the retransmission timer if it is not running (RFC 6298 5.1)."""
-        if self._handed != self.next_unsent:
-            if self._timed_seq is None:
-                self._timed_seq = self._handed
-                self._timed_at = now
-            self._handed = self.next_unsent
+        an RTT sample and start the retransmission timer if it is not running (RFC 6298 5.1).
+        Called per write: while a frame is timed and the timer runs it only moves `handed`."""
+        if self._timed_seq is None and self._handed != self.next_unsent:
+            self._timed_seq = self._handed
+            self._timed_at = now
+        self._handed = self.next_unsent
         if self.deadline is None and self._oldest_unsacked() is not None:
             self.deadline = now + self.timer.rto
 
@@ -161,7 +192,9 @@ class SendWindow(Generic[T]):
         """Apply a cumulative `ack` and SACK ranges; return True when `ack` made progress.
 
         An `ack` below an earlier one is stale (reordered) and ignored; acknowledging a frame
-        that was never sent is a `protocol_violation`.
+        that was never sent, or SACK ranges that are not ascending, disjoint and apart, each
+        non-empty and within `(ack, next_seq]` (§7.3), is a `protocol_violation`; nothing
+        changes then.
         """
         next_seq = self.next_seq
         if ack > next_seq:
@@ -169,13 +202,10 @@ class SendWindow(Generic[T]):
                 ErrorCode.PROTOCOL_VIOLATION, f"ack {ack} acknowledges unsent seq {next_seq}"
             )
         entries = self._entries
-        for start, end in sack:
-            if not ack < start < end <= next_seq:
-                raise RemoteProtocolError(
-                    ErrorCode.PROTOCOL_VIOLATION,
-                    f"sack range [{start}, {end}) outside ({ack}, {next_seq}]",
-                )
-            self._sacked.update(seq for seq in range(start, end) if seq in entries)
+        if sack:
+            check_sack(ack, sack, next_seq)
+            for start, end in sack:
+                self._sacked.update(seq for seq in range(start, end) if seq in entries)
         acked = self._acked
         if ack <= acked:
             return False

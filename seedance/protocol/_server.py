@@ -6,19 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import msgspec
-
-from ._connection import (
-    _CANCELLED,
-    _OPEN,
-    ConnectionState,
-    _Connection,
-    _violation,
-)
+from ._connection import BaseConnection, ConnectionState, violation
 from ._framing import SMALL_FRAME, SMALL_HEADERS, pack_header
 from ._heartbeat import CONNECTION, SESSION, Key, negotiate
 from ._session import Role, SessionState, new_session_id
-from ._stream_state import StreamRecord, next_state
+from ._stream_state import StreamRecord, StreamState, next_state
 from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from .events import (
     ConnectionTimedOut,
@@ -49,13 +41,15 @@ from .messages import (
     StreamError,
     Usage,
     Welcome,
-    _remote_error,
 )
 
 __all__ = ["ServerConnection"]
 
+_OPEN = ConnectionState.OPEN
+_CANCELLED = StreamState.CANCELLED
 
-class ServerConnection(_Connection):
+
+class ServerConnection(BaseConnection):
     """The server side of one transport."""
 
     __slots__ = ("_hello", "_intervals", "_stash", "_stashed")
@@ -77,26 +71,19 @@ class ServerConnection(_Connection):
 
     def _receive_payload(self, payload: bytes | bytearray | memoryview, now: float) -> None:
         if self._live is not None:
-            try:
-                message = self._raw_decode(payload)
-            except msgspec.MsgspecError as exc:
-                raise _remote_error(exc) from None
-            handler = self._handlers.get(type(message))
-            if handler is None:
-                raise _violation(f"{type(message).__name__.lower()} is not sent to a server")
-            handler(self, message, now)
+            self._receive_message(self._decode(payload), now)
             return
         if self.state is ConnectionState.AWAIT_WELCOME:
             # frames pipelined after hello wait for the application's welcome()
             self._stashed += len(payload)
             if self._stashed > self.limits.max_frame:
-                raise _violation("too much data before welcome")
+                raise violation("too much data before welcome")
             self._stash.append(bytes(payload))
             return
         if self.state is ConnectionState.AWAIT_HELLO:
             message = self._decode(payload)
             if type(message) is not Hello:
-                raise _violation(f"{type(message).__name__.lower()} before hello")
+                raise violation(f"{type(message).__name__.lower()} before hello")
             self._on_hello(message, now)
             return
         super()._receive_payload(payload, now)
@@ -181,7 +168,7 @@ class ServerConnection(_Connection):
         record = session.streams.get(message.stream)
         if record is None:
             if message.stream > session.last_stream_id:
-                raise _violation(f"cancel of stream {message.stream}, never opened")
+                raise violation(f"cancel of stream {message.stream}, never opened")
             return  # crossed our end: nothing left to cancel
         if record.state is not _CANCELLED:
             state = next_state(record.state, "cancel")
@@ -192,7 +179,7 @@ class ServerConnection(_Connection):
     def _apply_open(self, message: Open, session: SessionState, now: float) -> None:
         stream = message.stream
         if stream <= session.last_stream_id:
-            raise _violation(
+            raise violation(
                 f"stream id {stream} reused (ids increase; last was {session.last_stream_id})"
             )
         session.last_stream_id = stream
@@ -214,19 +201,19 @@ class ServerConnection(_Connection):
 
     def _on_credit(self, message: Credit, now: float) -> None:
         if self.state is not _OPEN:
-            raise _violation("credit before the handshake")
+            raise violation("credit before the handshake")
         session = self.session
         assert session is not None
         record = session.streams.get(message.stream)
         if record is None:
             if message.stream > session.last_stream_id:
-                raise _violation(f"credit for stream {message.stream}, never opened")
+                raise violation(f"credit for stream {message.stream}, never opened")
             return
         if record.grant(message.limit):
             self._events.append(CreditGranted(stream=message.stream, limit=message.limit))
 
     def _on_hello_again(self, message: Hello, now: float) -> None:
-        raise _violation("a second hello")
+        raise violation("a second hello")
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -273,7 +260,7 @@ class ServerConnection(_Connection):
             raise LocalProtocolError(
                 f"stream {stream} has credit up to token {limit}: wait for CreditGranted"
             )
-        message = Delta(seq, stream, index, text, tokens)
+        message = Delta(seq, stream, index, text, tokens)  # push_written below numbers it seq
         payload = self._encode(message)
         length = len(payload)
         if length > self._peer_max_frame:
@@ -283,8 +270,7 @@ class ServerConnection(_Connection):
             + payload
         )
         record.sent = end
-        send._entries[seq] = message
-        send.next_seq = send.next_unsent = seq + 1
+        send.push_written(message)
 
     def end_stream(
         self, stream: int, reason: EndReason, usage: Usage, error: StreamError | None = None
@@ -315,12 +301,12 @@ class ServerConnection(_Connection):
 
     _handlers: ClassVar[dict[type[Any], Any]] = {
         Hello: _on_hello_again,
-        Ack: _Connection._on_ack,
+        Ack: BaseConnection._on_ack,
         Credit: _on_credit,
-        Ping: _Connection._on_ping,
-        Pong: _Connection._on_pong,
-        Error: _Connection._on_error,
-        Batch: _Connection._on_batch,
-        Open: _Connection._on_reliable,
-        Cancel: _Connection._on_reliable,
+        Ping: BaseConnection._on_ping,
+        Pong: BaseConnection._on_pong,
+        Error: BaseConnection._on_error,
+        Batch: BaseConnection._on_batch,
+        Open: BaseConnection._on_reliable,
+        Cancel: BaseConnection._on_reliable,
     }

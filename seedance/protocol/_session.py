@@ -156,9 +156,7 @@ class SessionState:
                 f"stream {stream} has credit up to token {credit.limit}: wait for CreditGranted"
             )
         credit.sent = index + n
-        send._entries[seq] = Delta(seq=seq, stream=stream, index=index, text=text, tokens=tokens)
-        send.next_seq = seq + 1
-        return seq
+        return send.push(Delta(seq=seq, stream=stream, index=index, text=text, tokens=tokens))
 
     def end_stream(
         self, stream: int, reason: EndReason, usage: Usage, error: StreamError | None = None

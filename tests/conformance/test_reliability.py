@@ -7,10 +7,13 @@ import pytest
 
 from seedance.protocol import (
     Ack,
+    ConnectionState,
     Delta,
     DeltaReceived,
+    Error,
     ErrorCode,
     HeartbeatIntervals,
+    LocalProtocolError,
     PayloadCodec,
     ProtocolLimits,
     RemoteProtocolError,
@@ -195,14 +198,57 @@ def test_7_ack_of_an_unsent_frame_is_protocol_violation() -> None:
     assert info.value.code == ErrorCode.PROTOCOL_VIOLATION
 
 
-@pytest.mark.parametrize("sack", [((3, 3),), ((0, 1),), ((2, 99),)])
+BAD_SACKS = {
+    "empty": ((3, 3),),
+    "at or below ack": ((0, 1),),
+    "beyond the next seq": ((2, 99),),
+    "overlapping": ((2, 4), (3, 5)),
+    "descending": ((4, 5), (2, 3)),
+    "repeated": ((3, 4), (3, 4)),
+    "adjacent": ((2, 3), (3, 4)),
+}
+
+
+@pytest.mark.parametrize("sack", list(BAD_SACKS.values()), ids=list(BAD_SACKS))
 def test_7_bad_sack_range_is_protocol_violation(sack: tuple[tuple[int, int], ...]) -> None:
     pair, stream = streaming_pair()
     for _ in range(5):
         pair.server.send_delta(stream, "x", (1,))
     pair.server.data_to_send(pair.now)
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(RemoteProtocolError) as info:
         pair.server.receive_data(frame(Ack(ack=1, sack=sack)), pair.now)
+    assert info.value.code == ErrorCode.PROTOCOL_VIOLATION
+    assert pair.server.state is ConnectionState.CLOSED
+    assert decoded(pair.server.data_to_send(pair.now)) == [
+        Error(code="protocol_violation", message=info.value.message)
+    ]
+    assert pair.server.session is not None and pair.server.session.expired(pair.now)
+
+
+def test_7_a_bad_sack_closes_only_the_connection_it_came_on() -> None:
+    """§12: the offending connection is closed with `protocol_violation` and its session
+    discarded; another connection pair, streaming meanwhile, is unaffected."""
+    victim, victim_stream = streaming_pair()
+    other, other_stream = streaming_pair()
+    for i in range(3):
+        victim.server.send_delta(victim_stream, "v", (i,))
+        other.server.send_delta(other_stream, "o", (i,))
+    victim.server.data_to_send(victim.now)
+    other.to_client()
+    with pytest.raises(RemoteProtocolError):
+        victim.server.receive_data(frame(Ack(ack=1, sack=((2, 4), (3, 4)))), victim.now)
+    assert victim.server.state is ConnectionState.CLOSED
+    with pytest.raises(LocalProtocolError):
+        victim.server.send_delta(victim_stream, "v", (9,))
+    for i in range(3, 40):
+        assert other.server.can_send_delta(other_stream)
+        other.server.send_delta(other_stream, "o", (i,))
+        other.pump()
+    other.advance(0.1)
+    assert deltas_seen(other) == list(range(40))
+    session = other.server.session
+    assert other.server.state is ConnectionState.OPEN and session is not None
+    assert session.send.acked == session.send.next_seq  # every frame acknowledged
 
 
 # -- §8 retransmission -------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from seedance.protocol import (
     Welcomed,
 )
 from seedance.protocol._framing import encode_frame
-from seedance.protocol.messages import Ack, PayloadCodec
+from seedance.protocol.messages import Ack, Batch, Delta, Error, PayloadCodec
 from tests.conformance.pair import frames_of
 
 
@@ -244,3 +244,77 @@ def test_a_delta_out_of_order_in_a_read_is_held_and_sacked_not_delivered() -> No
     assert ack.ack == 2 and ack.sack == ((3, 4),)  # accept and delta 0 in; delta 2 held
     client.receive_data(b"".join(encode_frame(p) for p in swapped[3:]), 0.0)
     assert [e[2] for e in client_view(client) if e[0] == "delta"] == [2, 4, 6]
+
+
+# -- one rule for a delta, however it arrives ----------------------------------------------------
+
+MSGPACK = PayloadCodec("msgpack")
+
+
+def credited_client() -> tuple[ClientConnection, int]:
+    """A client whose stream 1 is accepted with credit 4 and whose stream 2 is opened, not
+    accepted; with the next seq it expects."""
+    client, server = handshake()
+    first = client.open_stream(prompt="a", credit=4)
+    client.open_stream(prompt="b", credit=4)
+    server.receive_data(client.data_to_send(0.0), 0.0)
+    assert [type(e) for e in server.events()] == [StreamOpened, StreamOpened]
+    server.accept_stream(first, token_quota=100, batch_size=1)
+    client.receive_data(server.data_to_send(0.0), 0.0)
+    assert [type(e) for e in client.events()] == [StreamAccepted]
+    assert client.session is not None
+    return client, client.session.recv.ack
+
+
+BAD_DELTAS = {
+    "index": (dict(stream=1, index=3, tokens=(1,)), "delta index 3 on stream 1, expected 1"),
+    "credit": (dict(stream=1, index=1, tokens=(1, 2, 3, 4)), r"beyond stream 1's credit \(5 > 4\)"),
+    "unknown stream": (dict(stream=9, index=0, tokens=(1,)), "delta for unknown stream 9"),
+    "not accepted": (dict(stream=2, index=0, tokens=(1,)), "delta on stream 2 before accept"),
+}
+
+
+def arrivals(good: bytes, bad: bytes) -> dict[str, list[bytes]]:
+    """The reads that bring a good delta then a bad one, each way a delta can arrive."""
+    batch = encode_frame(MSGPACK.encode(Batch(codec="none", data=good + bad)))
+    return {
+        "a read each": [good, bad],
+        "one read": [good + bad],
+        "cut across reads": [good + bad[:5], bad[5:]],
+        "in a batch": [batch],
+        "held, then released": [bad, good],  # the bad one arrives early, out of order
+    }
+
+
+@pytest.mark.parametrize("way", list(arrivals(b"", b"")))
+@pytest.mark.parametrize("rule", list(BAD_DELTAS))
+def test_every_way_a_delta_arrives_is_checked_by_the_same_rule(way: str, rule: str) -> None:
+    client, seq = credited_client()
+    good = encode_frame(MSGPACK.encode(Delta(seq=seq, stream=1, index=0, text="ok", tokens=(7,))))
+    fields, message = BAD_DELTAS[rule]
+    bad = encode_frame(MSGPACK.encode(Delta(seq=seq + 1, text="no", **fields)))  # type: ignore[arg-type]
+    *before, last = arrivals(good, bad)[way]
+    for data in before:
+        client.receive_data(data, 0.0)
+    with pytest.raises(RemoteProtocolError, match=message) as failure:
+        client.receive_data(last, 0.0)
+    assert failure.value.code == "protocol_violation"
+    assert [(e.stream, e.index) for e in client.events() if isinstance(e, DeltaReceived)] == [(1, 0)]
+    assert client.state is ConnectionState.CLOSED
+    (error,) = [MSGPACK.decode(p) for p in frames_of(client.data_to_send(0.0))]
+    assert isinstance(error, Error) and error.code == "protocol_violation"
+
+
+@pytest.mark.parametrize("way", [*list(arrivals(b"", b""))[:-1], "held twice"])
+def test_a_duplicate_delta_is_dropped_and_reacked_however_it_arrives(way: str) -> None:
+    client, seq = credited_client()
+    first = encode_frame(MSGPACK.encode(Delta(seq=seq, stream=1, index=0, text="a", tokens=(7,))))
+    ahead = encode_frame(MSGPACK.encode(Delta(seq=seq + 1, stream=1, index=1, text="b", tokens=(8,))))
+    reads = [ahead, ahead, first] if way == "held twice" else arrivals(first, first)[way]
+    for data in reads:
+        client.receive_data(data, 0.0)
+    delivered = [(e.stream, e.index) for e in client.events() if isinstance(e, DeltaReceived)]
+    assert delivered == ([(1, 0), (1, 1)] if way == "held twice" else [(1, 0)])
+    assert client.state is ConnectionState.OPEN
+    assert client.session is not None and client.session.recv.duplicates == 1
+    assert acks_sent(client, 0.0)[-1].ack == client.session.recv.ack  # acknowledged at once

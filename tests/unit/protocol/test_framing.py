@@ -57,3 +57,26 @@ def test_cached_small_headers_match_packed_ones() -> None:
 
     for length in (1, 60, SMALL_FRAME - 1, SMALL_FRAME, 70_000):
         assert frame_header(length) == struct.pack(">II", MAGIC, length)
+
+
+def test_has_partial_frame_says_whether_bytes_are_held() -> None:
+    decoder = FrameDecoder(100)
+    frame = encode_frame(b"abc")
+    assert not decoder.has_partial_frame
+    assert list(decoder.feed(frame)) == [b"abc"]
+    assert not decoder.has_partial_frame  # every payload taken: a caller may cut reads itself
+    assert list(decoder.feed(frame + frame[:3])) == [b"abc"]
+    assert decoder.has_partial_frame  # three header bytes held
+    assert list(decoder.feed(frame[3:])) == [b"abc"]
+    assert not decoder.has_partial_frame
+    payloads = decoder.feed(frame + frame)
+    assert next(payloads) == b"abc"
+    assert decoder.has_partial_frame  # the second payload is not taken yet
+    assert list(payloads) == [b"abc"] and not decoder.has_partial_frame
+
+
+def test_has_partial_frame_is_cleared_by_a_bad_header() -> None:
+    decoder = FrameDecoder(100)
+    with pytest.raises(RemoteProtocolError):
+        list(decoder.feed(b"\x00" * 12))
+    assert not decoder.has_partial_frame and decoder.buffered == 0

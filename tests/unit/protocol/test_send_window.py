@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from seedance.protocol import RemoteProtocolError, RetransmitTimer, SendWindow
+from seedance.protocol import ErrorCode, RemoteProtocolError, RetransmitTimer, SendWindow
 
 
 def window(n: int = 0, peer_window: int = 8) -> SendWindow[str]:
@@ -154,3 +154,60 @@ def test_acked_is_read_only() -> None:
     send = window()
     with pytest.raises(AttributeError):
         send.acked = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("sack", "problem"),
+    [
+        (((3, 5), (4, 6)), "overlaps"),  # overlapping
+        (((5, 6), (2, 3)), "overlaps"),  # descending
+        (((2, 4), (2, 4)), "overlaps"),  # the same range twice
+        (((2, 3), (3, 4)), "touches"),  # adjacent: one run of held frames, sent as two
+        (((2, 2),), "empty"),
+        (((4, 3),), "empty"),
+        (((1, 3),), "at or below ack"),
+        (((0, 1),), "at or below ack"),
+        (((2, 9),), "beyond the next seq"),
+    ],
+)
+def test_sack_ranges_must_ascend_apart_above_ack_and_within_sent(
+    sack: tuple[tuple[int, int], ...], problem: str
+) -> None:
+    send = window(8)
+    write(send, 8, 0.0)
+    send.on_ack(1, ((3, 4),), 0.1)
+    deadline = send.deadline
+    with pytest.raises(RemoteProtocolError) as info:
+        send.on_ack(1, sack, 0.2)
+    assert info.value.code == ErrorCode.PROTOCOL_VIOLATION and problem in info.value.message
+    # a refused ack changes nothing: no new SACKed frame, the same ack and timer
+    assert [seq for seq in range(8) if send.is_sacked(seq)] == [3]
+    assert send.acked == 1 and send.deadline == deadline
+
+
+def test_ascending_sack_ranges_with_gaps_between_are_taken() -> None:
+    send = window(8)
+    write(send, 8, 0.0)
+    assert send.on_ack(1, ((2, 4), (5, 6), (7, 8)), 0.1)
+    assert [seq for seq in range(8) if send.is_sacked(seq)] == [2, 3, 5, 7]
+    assert send.resend_from(1) == [1, 4, 6]  # the SACKed are never written again
+
+
+def test_push_written_numbers_the_frame_and_counts_it_written() -> None:
+    send = window(peer_window=8)
+    assert send.push_written("a") == 0 and send.push_written("b") == 1
+    assert send.next_seq == send.next_unsent == 2 and send.frame(1) == "b"
+    assert send.handed == 0  # written, not yet handed to the transport
+    send.handed_over(3.0)
+    assert send.handed == 2 and send.in_flight == 2 and send.deadline == 4.0
+
+
+def test_handed_over_times_one_frame_until_its_ack() -> None:
+    send = window(peer_window=8)
+    send.push_written("a")
+    send.handed_over(0.0)  # frame 0 is timed
+    send.push_written("b")
+    send.handed_over(0.5)  # frame 0 still timed: 1 is only handed over
+    assert send.handed == 2
+    send.on_ack(1, (), 0.25)
+    assert send.timer.srtt == 0.25  # the sample is frame 0's, sent at 0.0
