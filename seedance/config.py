@@ -56,7 +56,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_connections: int = 8192
     """Open client connections (all ports together); past it new ones are refused at accept
     (HTTP 503, TCP closed). Lowered to the process's file limit minus a reserve."""
-    max_connections_per_client: int = 256
+    max_connections_per_client: int = 1024
     """Open connections from one client address (an IPv6 /64); past it as `max_connections`."""
     log_level: LogLevel = "info"
     tcp_nodelay: bool = True
@@ -144,7 +144,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--send-timeout", "server.send_timeout", "Seconds a WebSocket/TCP protocol connection may take no bytes before it is dropped (default 30).", float),
     Flag("--handshake-timeout", "server.handshake_timeout", "Seconds a WebSocket/TCP protocol connection may take to send hello before it is closed (default 10).", float),
     Flag("--max-connections", "server.max_connections", "Open client connections on all ports together; more are refused at accept with HTTP 503 / a TCP close (default 8192, lowered to the file limit).", int),
-    Flag("--max-connections-per-client", "server.max_connections_per_client", "Open connections from one client address (IPv6: one /64); more are refused like --max-connections (default 256).", int),
+    Flag("--max-connections-per-client", "server.max_connections_per_client", "Open connections from one client address (IPv6: one /64); more are refused like --max-connections (default 1024).", int),
     Flag("--log-level", "server.log_level", "Structured log level (default info).", choices=_choices(LogLevel)),
     Flag("--tcp-nodelay", "server.tcp_nodelay", "Set TCP_NODELAY on accepted sockets (default true).", kind="bool"),
     Flag("--tcp-keepalive", "server.tcp_keepalive", "Set SO_KEEPALIVE on accepted sockets (default true).", kind="bool"),

@@ -11,18 +11,17 @@ connection so that every token reaches the caller exactly once.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import math
 import ssl
 import urllib.parse
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Protocol
 
 import trio
-import trio_websocket
 
+from seedance.client.errors import ConnectFailed, SeedanceError, SessionLost, StreamFailed
+from seedance.client.links import ClientLink, open_link
+from seedance.client.stream import Stream
 from seedance.protocol import (
     ChatMessage,
     ClientConnection,
@@ -37,11 +36,10 @@ from seedance.protocol import (
     SamplingOptions,
     StreamAccepted,
     StreamEnded,
-    Usage,
     Welcomed,
 )
-from seedance.protocol.messages import Codec, EndReason
-from seedance.protocol.messages import StreamError as StreamErrorInfo
+from seedance.protocol.messages import Codec
+from seedance.transport import ConnectionDriver, DriverHooks
 
 __all__ = [
     "ConnectFailed",
@@ -53,7 +51,6 @@ __all__ = [
     "connect",
 ]
 
-SUBPROTOCOL = {"msgpack": "seedance.v1.msgpack", "json": "seedance.v1.json"}
 DEFAULT_CREDIT_WINDOW = 256
 """Tokens a stream may run ahead of the caller with automatic credit."""
 DEFAULT_FRAME_WINDOW = 4096
@@ -64,197 +61,7 @@ pauses them all. The cost is bounded: frames held for reordering only (TCP and W
 deliver in order, so in practice nothing is held) and the server's retransmit queue."""
 UNLIMITED_BUFFER_DELTAS = 1024
 """Deltas one stream buffers without credit before the client stops reading the socket."""
-RECEIVE_BYTES = 65536
-MAX_MESSAGE_BYTES = 64 << 20
 CLIENT_NAME = "seedance-py/0.1"
-
-
-class SeedanceError(Exception):
-    """An error from the server or the connection: `code` is the protocol's error code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}" if message else code)
-        self.code = code
-        self.message = message
-
-
-class ConnectFailed(SeedanceError):
-    """The server could not be reached (refused, unknown host, TLS, handshake)."""
-
-
-class SessionLost(SeedanceError):
-    """The connection dropped and the session could not be resumed; its streams are gone."""
-
-
-class StreamFailed(SeedanceError):
-    """A stream ended with `reason="error"` (`code`: `invalid_request`, `unknown_model`,
-    `context_length_exceeded`, `overloaded`, ...)."""
-
-
-class _Link(Protocol):
-    async def receive(self) -> bytes: ...
-    async def send(self, data: bytes) -> None: ...
-    async def aclose(self) -> None: ...
-    async def abort(self) -> None: ...
-
-
-class _WebSocketLink:
-    def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
-        self.ws = ws
-
-    async def receive(self) -> bytes:
-        try:
-            message = await self.ws.get_message()
-        except trio_websocket.ConnectionClosed:
-            return b""
-        if isinstance(message, str):
-            raise SeedanceError("protocol_violation", "the server sent a text message")
-        return message
-
-    async def send(self, data: bytes) -> None:
-        try:
-            await self.ws.send_message(data)
-        except trio_websocket.ConnectionClosed:
-            raise trio.BrokenResourceError("WebSocket closed") from None
-
-    async def aclose(self) -> None:
-        with trio.move_on_after(1.0) as scope:
-            scope.shield = True
-            await self.ws.aclose(1000)
-
-    async def abort(self) -> None:
-        """Drop a dead or unresponsive link without ending the session (close 1001)."""
-        with trio.move_on_after(0.5) as scope:
-            scope.shield = True
-            await self.ws.aclose(1001)
-
-
-class _TcpLink:
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self.stream = stream
-
-    async def receive(self) -> bytes:
-        try:
-            return bytes(await self.stream.receive_some(RECEIVE_BYTES))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return b""
-
-    async def send(self, data: bytes) -> None:
-        await self.stream.send_all(data)
-
-    async def aclose(self) -> None:
-        await trio.aclose_forcefully(self.stream)
-
-    async def abort(self) -> None:
-        await trio.aclose_forcefully(self.stream)
-
-
-class Stream:
-    """One generation. `async for delta in stream` yields `DeltaReceived` (index, text, tokens)
-    exactly once each, in order; iteration ends after the server's `end` (`reason`, `usage`)
-    and raises `StreamFailed` when it ended with an error."""
-
-    def __init__(self, client: SeedanceClient, stream_id: int, credit: int | None,
-                 auto_window: int | None) -> None:
-        self.client = client
-        self.id = stream_id
-        self.token_quota: int | None = None
-        self.batch_size: int | None = None
-        self.reason: EndReason | None = None
-        self.usage: Usage | None = None
-        self.error: StreamErrorInfo | None = None
-        self.received_tokens = 0
-        """Tokens handed to the caller so far."""
-        self.credit_limit = credit
-        self._auto_window = auto_window
-        self._deltas: collections.deque[DeltaReceived] = collections.deque()
-        self._changed = trio.Event()
-        self._failure: SeedanceError | None = None
-        self.accepted = trio.Event()
-
-    @property
-    def done(self) -> bool:
-        return self.reason is not None or self._failure is not None
-
-    def _notify(self) -> None:
-        """Wake the caller waiting for a delta or the end (a new Event is made per wait, not
-        per delta: this runs for every delta the connection receives)."""
-        self._changed.set()
-
-    def _fail(self, failure: SeedanceError) -> None:
-        if self.reason is None and self._failure is None:
-            self._failure = failure
-            self.accepted.set()
-            self._notify()
-
-    def __aiter__(self) -> AsyncIterator[DeltaReceived]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[DeltaReceived]:
-        while True:
-            delta = await self.next_delta()
-            if delta is None:
-                return
-            yield delta
-
-    async def next_delta(self) -> DeltaReceived | None:
-        """The next delta; None after the end. Raises `StreamFailed` / `SeedanceError`."""
-        if not await self._wait_for_delta():
-            return None
-        return self._take()
-
-    async def next_batch(self) -> list[DeltaReceived]:
-        """Every delta that has arrived (waiting for at least one), in order; [] after the end.
-        Raises like `next_delta`. What one read of the transport brought comes in one batch."""
-        if not await self._wait_for_delta():
-            return []
-        batch = [self._take()]
-        while self._deltas:
-            batch.append(self._take())
-        return batch
-
-    async def _wait_for_delta(self) -> bool:
-        """Wait until a delta is queued (True) or the stream ended (False)."""
-        while not self._deltas:
-            if self._failure is not None:
-                raise self._failure
-            if self.reason is not None:
-                if self.reason == "error" and self.error is not None:
-                    raise StreamFailed(self.error.code, self.error.message)
-                return False
-            self._changed = trio.Event()
-            await self._changed.wait()
-        return True
-
-    def _take(self) -> DeltaReceived:
-        """Pop the oldest delta, counting it consumed (which may grant credit)."""
-        delta = self._deltas.popleft()
-        self.received_tokens += len(delta.tokens)
-        self.client._room_made()
-        window = self._auto_window
-        limit = self.credit_limit
-        if window is not None and limit is not None and limit - self.received_tokens <= window // 2:
-            self.grant_credit(self.received_tokens + window)
-        return delta
-
-    async def text(self) -> str:
-        """Collect the whole reply."""
-        return "".join([delta.text async for delta in self])
-
-    def grant_credit(self, limit: int) -> None:
-        """Let the server send tokens with index < `limit` (absolute; lower values are
-        ignored). Only for streams opened with credit."""
-        if self.credit_limit is None or limit <= self.credit_limit or self.done:
-            return
-        self.credit_limit = limit
-        self.client._grant(self.id, limit)
-
-    async def cancel(self) -> None:
-        """Ask the server to stop; the stream then ends with `cancelled` (deltas already on
-        their way are still delivered)."""
-        if not self.done:
-            self.client._cancel(self.id)
-        await trio.lowlevel.checkpoint()
 
 
 class SeedanceClient:
@@ -309,16 +116,15 @@ class SeedanceClient:
         self.reconnects = 0
         """Transports lost and resumed."""
         self.going_away = False
-        self._link: _Link | None = None
+        self._link: ClientLink | None = None
+        self._driver: ConnectionDriver | None = None
+        """The driver of `_link` (reader, writer, timers), made with it."""
         self._nursery: trio.Nursery | None = None
-        self._dirty = trio.Event()
-        self._timer_changed = trio.Event()
         self._room = trio.Event()
         self._welcomed = trio.Event()
         self._reconnected = trio.Event()
         self._failure: SeedanceError | None = None
         self._closing = False
-        self._link_scope: trio.CancelScope | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -350,10 +156,12 @@ class SeedanceClient:
         """Close the transport normally (the server drops the session)."""
         self._closing = True
         link = self._link
+        driver = self._driver
         if link is not None:
             self._link = None
             with trio.CancelScope(shield=True):
-                await self._flush(link)
+                if driver is not None:
+                    await driver.write_remaining()
                 await link.aclose()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
@@ -364,37 +172,10 @@ class SeedanceClient:
         if self._failure is not None:
             raise self._failure
 
-    async def _connect(self) -> _Link:
-        parsed = self._parsed
-        host = parsed.hostname or "127.0.0.1"
-        try:
-            with trio.fail_after(self.connect_timeout):
-                if parsed.scheme in ("tcp", "tls"):
-                    if parsed.port is None:
-                        raise ValueError(f"url: {self.url!r} needs a port")
-                    stream: trio.abc.Stream = await trio.open_tcp_stream(host, parsed.port)
-                    if self.ssl_context is not None:
-                        ssl_stream = trio.SSLStream(stream, self.ssl_context,
-                                                    server_hostname=host)
-                        await ssl_stream.do_handshake()
-                        stream = ssl_stream
-                    return _TcpLink(stream)
-                assert self._nursery is not None
-                ws = await trio_websocket.connect_websocket_url(
-                    self._nursery, self.url, self.ssl_context,
-                    subprotocols=[SUBPROTOCOL[self.codec]],
-                    max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=RECEIVE_BYTES,
-                )
-                return _WebSocketLink(ws)
-        except trio.TooSlowError:
-            raise ConnectFailed("connect_failed", f"{self.url}: timed out") from None
-        except trio_websocket.ConnectionRejected as exc:
-            body = (exc.body or b"").decode(errors="replace").strip()
-            raise ConnectFailed(
-                "connect_failed", f"{self.url}: HTTP {exc.status_code} {body}".strip()
-            ) from None
-        except (OSError, trio_websocket.HandshakeError, ssl.SSLError) as exc:
-            raise ConnectFailed("connect_failed", f"{self.url}: {exc}") from None
+    async def _connect(self) -> ClientLink:
+        assert self._nursery is not None
+        return await open_link(self.url, self.codec, self.ssl_context, self.connect_timeout,
+                               self._nursery)
 
     # -- streams ---------------------------------------------------------------------------------
 
@@ -433,7 +214,7 @@ class SeedanceClient:
             raise SeedanceError("invalid_request", str(exc)) from None
         stream = Stream(self, stream_id, limit, self.credit_window if auto else None)
         self.streams[stream_id] = stream
-        self._dirty.set()
+        self._wake_writer()
         await trio.lowlevel.checkpoint()
         return stream
 
@@ -441,7 +222,7 @@ class SeedanceClient:
         if self.conn.state is ConnectionState.CLOSED:
             return  # granted on the next connection before its hello (see _run)
         self.conn.grant_credit(stream, limit)
-        self._dirty.set()
+        self._wake_writer()
 
     def _cancel(self, stream: int) -> None:
         conn = self.conn
@@ -450,19 +231,26 @@ class SeedanceClient:
                 conn.session.cancel_stream(stream)  # sent after the resume
             return
         conn.cancel_stream(stream)
-        self._dirty.set()
+        self._wake_writer()
 
     def _room_made(self) -> None:
         self._room.set()
 
+    def _wake_writer(self) -> None:
+        """Frames are queued in `conn`; with no link (reconnecting) the next one sends them."""
+        driver = self._driver
+        if driver is not None:
+            driver.wake_writer()
+
     # -- the connection task ---------------------------------------------------------------------
 
-    async def _run(self, link: _Link, *, task_status: trio.TaskStatus[None]) -> None:
+    async def _run(self, link: ClientLink, *, task_status: trio.TaskStatus[None]) -> None:
         task_status.started()
         backoff = 0.05
         while True:
             self._link = link
-            await self._serve_link(link)
+            self._driver = ConnectionDriver(self.conn, link, _LinkHooks(self))
+            await self._driver.run()
             if self._closing or self._failure is not None:
                 return
             now = trio.current_time()
@@ -495,36 +283,6 @@ class SeedanceClient:
             self.conn.send_hello(api_key=self.api_key, client=self.client_name)
             self._reconnected.set()
             self._reconnected = trio.Event()
-
-    async def _serve_link(self, link: _Link) -> None:
-        async with trio.open_nursery() as nursery:
-            self._link_scope = nursery.cancel_scope
-            nursery.start_soon(self._reader, link, nursery.cancel_scope)
-            nursery.start_soon(self._writer, link, nursery.cancel_scope)
-            nursery.start_soon(self._timers)
-            self._dirty.set()
-
-    async def _reader(self, link: _Link, scope: trio.CancelScope) -> None:
-        try:
-            while True:
-                data = await link.receive()
-                if not data:
-                    return
-                conn = self.conn
-                if conn.state is ConnectionState.CLOSED:
-                    return
-                try:
-                    conn.receive_data(data, trio.current_time())
-                except RemoteProtocolError as exc:
-                    await self._flush(link)
-                    self._fail_all(SeedanceError(exc.code, exc.message))
-                    return
-                if not await self._dispatch():
-                    return
-                self._dirty.set()
-                self._timer_changed.set()
-        finally:
-            scope.cancel()
 
     async def _dispatch(self) -> bool:
         """Act on the connection's events; False when this transport is finished."""
@@ -574,10 +332,12 @@ class SeedanceClient:
             elif kind is GoAwayReceived:
                 self.going_away = True
             elif kind is ConnectionTimedOut:
+                self._stop_link()
                 return False
             elif kind is PeerError:
                 assert isinstance(event, PeerError)
                 self._fail_all(SeedanceError(event.code, event.message))
+                self._stop_link()
                 return False
 
     def _fail_all(self, failure: SeedanceError) -> None:
@@ -590,40 +350,28 @@ class SeedanceClient:
         self._welcomed.set()
         self._reconnected.set()
 
-    async def _flush(self, link: _Link) -> None:
-        data = self.conn.data_to_send(trio.current_time())
-        if data:
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await link.send(data)
+    def _stop_link(self) -> None:
+        if self._driver is not None:
+            self._driver.stop()
 
-    async def _writer(self, link: _Link, scope: trio.CancelScope) -> None:
-        try:
-            while True:
-                await self._dirty.wait()
-                self._dirty = trio.Event()
-                data = self.conn.data_to_send(trio.current_time())
-                if data:
-                    await link.send(data)
-                self._timer_changed.set()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            scope.cancel()
 
-    async def _timers(self) -> None:
-        while True:
-            self._timer_changed = changed = trio.Event()
-            conn = self.conn
-            deadline = conn.next_deadline()
-            now = trio.current_time()
-            if deadline is None or now < deadline:
-                with trio.move_on_at(math.inf if deadline is None else deadline):
-                    await changed.wait()
-                continue
-            conn.handle_timers(now)
-            if not await self._dispatch():
-                assert self._link_scope is not None
-                self._link_scope.cancel()
-                return
-            self._dirty.set()
+class _LinkHooks(DriverHooks):
+    """What the client's connection driver does with events and errors."""
+
+    def __init__(self, client: SeedanceClient) -> None:
+        self.client = client
+
+    async def handle_events(self) -> bool:
+        return await self.client._dispatch()
+
+    def protocol_error(self, exc: RemoteProtocolError, *, from_link: bool) -> None:
+        """The server broke the protocol: an `error` frame goes out, every stream fails."""
+        conn = self.client.conn
+        if from_link and conn.state is not ConnectionState.CLOSED:
+            with contextlib.suppress(LocalProtocolError):
+                conn.send_error(exc.code, exc.message)
+        self.client._fail_all(SeedanceError(exc.code, exc.message))
+        self.driver.finish()
 
 
 def connect(url: str, **kwargs: object) -> SeedanceClient:

@@ -1,12 +1,14 @@
 """Protocol sessions by id, shared by the WebSocket and TCP gateways: each `SessionRecord` owns
 its stream pumps (under the server's session nursery, so they outlive a connection), knows the
 connection it is attached to, and expires `resume_grace` seconds after it lost it — aborting
-every engine request it still held."""
+every engine request it still held. A session is bound to the API key of the `hello` that
+created it: a resume under another key finds nothing, exactly like an unknown id."""
 
 from __future__ import annotations
 
+import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import trio
@@ -20,6 +22,7 @@ from seedance.protocol import (
     Usage,
 )
 from seedance.protocol.messages import EndReason
+from seedance.server.gateway.session_ids import credential_digest, session_tag
 from seedance.server.gateway.stream_pump import PumpServer, StreamPump
 from seedance.server.ops.structured_log import log_event
 
@@ -45,11 +48,16 @@ class SessionRecord:
     connection currently attached (None while detached). The reliable send methods go to the
     attached connection when it is open, else to the session (frames kept for resume)."""
 
-    def __init__(self, ctx: PumpServer, session: SessionState, table: SessionTable) -> None:
+    def __init__(self, ctx: PumpServer, session: SessionState, table: SessionTable, *,
+                 api_key: str | None = None) -> None:
         self.ctx = ctx
         """The server, as far as the stream pumps need it."""
         self.session = session
         self.table = table
+        self._credential = credential_digest(api_key)
+        """The creating `hello`'s API key, hashed: a resume must present the same one."""
+        self.tag = session_tag(session.id)
+        """The id as logs show it (`session_tag`)."""
         self.attached: AttachedConnection | None = None
         self.pumps: dict[int, StreamPump] = {}
         self.closed = False
@@ -61,6 +69,17 @@ class SessionRecord:
     @property
     def id(self) -> str:
         return self.session.id
+
+    def bound_to(self, api_key: str | None) -> bool:
+        """`api_key` is the key this session was created with (constant time)."""
+        return hmac.compare_digest(self._credential, credential_digest(api_key))
+
+    def accepts_resume_ack(self, ack: int) -> bool:
+        """A resuming client's `ack` lies within what this session sent (§11.4): not below
+        what it already acknowledged, not beyond the next frame to go out. Checked before the
+        session is touched, so that a bad resume cannot harm the connection holding it."""
+        send = self.session.send
+        return send.acked <= ack <= send.next_unsent
 
     # -- lifetime (a task in ctx.session_nursery) -------------------------------------------------
 
@@ -81,7 +100,7 @@ class SessionRecord:
                         # woken by any change (a pump ending, say): expire only past the grace
                         expired = trio.current_time() >= self._detached_at + grace
                         if self.attached is None and not self.closed and expired:
-                            log_event(log, "session_expired", session=self.id,
+                            log_event(log, "session_expired", session=self.tag,
                                       streams=len(self.pumps))
                             self.closed = True
                     else:
@@ -204,12 +223,21 @@ class SessionTable:
     def get(self, session_id: str) -> SessionRecord | None:
         return self._records.get(session_id)
 
-    def resumable(self, session_id: str | None, now: float) -> SessionRecord | None:
-        """The live record of `session_id` if it can still be resumed at `now`."""
+    def records(self) -> Iterator[SessionRecord]:
+        """Every live session (a snapshot: the table may change while it is used)."""
+        return iter(list(self._records.values()))
+
+    def resumable(self, session_id: str | None, now: float, *,
+                  api_key: str | None = None) -> SessionRecord | None:
+        """The live record of `session_id` if it can still be resumed at `now` by a `hello`
+        with `api_key`. Under another key the answer is None, as for an unknown id (and the
+        session is left as it was)."""
         if session_id is None:
             return None
         record = self._records.get(session_id)
         if record is None or record.closed:
+            return None
+        if not record.bound_to(api_key):
             return None
         if record.attached is None and now - record._detached_at > record.session.limits.resume_grace:
             record.close()

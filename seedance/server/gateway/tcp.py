@@ -9,6 +9,7 @@ import trio
 from seedance.server.gateway.protocol_session import ProtocolConnection
 from seedance.server.gateway.socket_writer import SocketWriter
 from seedance.server.server_context import ServerContext
+from seedance.transport import SendLimits
 
 RECEIVE_BYTES = 65536
 
@@ -19,9 +20,27 @@ class TcpTransport:
     closed_cleanly = False
     """A raw TCP peer cannot say it is done on purpose: its session waits for a resume."""
 
-    def __init__(self, stream: trio.abc.Stream) -> None:
+    def __init__(self, stream: trio.abc.Stream, limits: SendLimits | None = None) -> None:
         self.stream = stream
-        self._writer = SocketWriter(stream)
+        self._writer = SocketWriter(stream, limits)
+
+    @property
+    def congested(self) -> bool:
+        return self._writer.congested
+
+    async def wait_uncongested(self) -> None:
+        await self._writer.wait_uncongested()
+
+    @property
+    def backlog(self) -> int:
+        return self._writer.backlog
+
+    @property
+    def peak_backlog(self) -> int:
+        return self._writer.peak_backlog
+
+    def abort(self) -> None:
+        self._writer.abort()
 
     async def receive(self) -> bytes:
         return bytes(await self.stream.receive_some(RECEIVE_BYTES))
@@ -47,4 +66,5 @@ class TcpTransport:
 
 async def serve_tcp(ctx: ServerContext, stream: trio.abc.Stream) -> None:
     """Serve the protocol on one accepted TCP (or TLS) connection until it closes."""
-    await ProtocolConnection(ctx, TcpTransport(stream), "msgpack").serve()
+    transport = TcpTransport(stream, SendLimits(timeout=ctx.config.server.send_timeout))
+    await ProtocolConnection(ctx, transport, "msgpack").serve()

@@ -19,6 +19,7 @@ from seedance.server.gateway.protocol_session import ProtocolConnection
 from seedance.server.gateway.socket_writer import SocketWriter
 from seedance.server.ops.structured_log import log_event
 from seedance.server.server_context import ServerContext
+from seedance.transport import SendLimits
 
 SUBPROTOCOLS: dict[str, Codec] = {"seedance.v1.msgpack": "msgpack", "seedance.v1.json": "json"}
 DEFAULT_SUBPROTOCOL = "seedance.v1.msgpack"
@@ -47,10 +48,11 @@ def choose_subprotocol(offered: list[str]) -> str | None:
 class WebSocketTransport:
     """Binary WebSocket messages as a byte pipe (messages may split or join frames freely)."""
 
-    def __init__(self, stream: trio.abc.Stream, connection: wsproto.WSConnection) -> None:
+    def __init__(self, stream: trio.abc.Stream, connection: wsproto.WSConnection,
+                 limits: SendLimits | None = None) -> None:
         self.stream = stream
         self.ws = connection
-        self._writer = SocketWriter(stream)
+        self._writer = SocketWriter(stream, limits)
         self._pending: list[bytes] = []
         self._peer_closed = False
         self._clean = False
@@ -58,6 +60,24 @@ class WebSocketTransport:
     @property
     def closed_cleanly(self) -> bool:
         return self._clean
+
+    @property
+    def congested(self) -> bool:
+        return self._writer.congested
+
+    async def wait_uncongested(self) -> None:
+        await self._writer.wait_uncongested()
+
+    @property
+    def backlog(self) -> int:
+        return self._writer.backlog
+
+    @property
+    def peak_backlog(self) -> int:
+        return self._writer.peak_backlog
+
+    def abort(self) -> None:
+        self._writer.abort()
 
     async def _send_raw(self, data: bytes) -> None:
         await self._writer.send(data)
@@ -95,6 +115,12 @@ class WebSocketTransport:
             elif isinstance(event, ws.Ping):
                 await self._send_raw(self.ws.send(event.response()))
             elif isinstance(event, ws.CloseConnection):
+                if self.ws.state is wsproto.connection.ConnectionState.OPEN:
+                    # no close frame arrived: wsproto reports a framing violation (unmasked
+                    # frame, reserved opcode, oversized control frame) this way; answer with
+                    # an `error` and close 1002 instead of dropping the connection
+                    raise RemoteProtocolError(ErrorCode.PROTOCOL_VIOLATION,
+                                              f"WebSocket: {event.reason}")
                 self._peer_closed = True
                 self._clean = event.code == 1000
                 if self.ws.state is wsproto.connection.ConnectionState.REMOTE_CLOSING:
@@ -173,7 +199,8 @@ async def serve_websocket(
     offered = subprotocol if upgrade.subprotocols else None
     with trio.fail_after(HANDSHAKE_SECONDS):
         await stream.send_all(connection.send(ws.AcceptConnection(subprotocol=offered)))
-    transport = WebSocketTransport(stream, connection)
+    transport = WebSocketTransport(stream, connection,
+                                   SendLimits(timeout=ctx.config.server.send_timeout))
     if trailing:
         connection.receive_data(trailing)
     ctx.metrics.ws_connections += 1

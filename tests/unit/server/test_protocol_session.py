@@ -1,7 +1,8 @@
 """ProtocolConnection's writes: frames queued during an engine delivery pass go to the transport
 once, at the pass's end, without waking the writer task; what the transport cannot take at once,
 and anything queued outside a pass, is left to the writer; while the peer has not acknowledged
-MAX_WRITES_IN_FLIGHT writes (and owes an ack), a pass's frames wait for that ack."""
+MAX_WRITES_IN_FLIGHT writes (and owes an ack), a pass's frames wait for that ack; while the
+transport is congested they wait in the connection for the writer."""
 
 from __future__ import annotations
 
@@ -11,12 +12,9 @@ from types import SimpleNamespace
 import trio
 
 from seedance.protocol import ClientConnection, DeltaReceived, ProtocolLimits, StreamOpened
-from seedance.server.gateway.protocol_session import (
-    MAX_WRITES_IN_FLIGHT,
-    PEER_ACK_FRAMES,
-    ProtocolConnection,
-)
+from seedance.server.gateway.protocol_session import ProtocolConnection
 from seedance.server.gateway.session_table import SessionTable
+from seedance.transport import MAX_WRITES_IN_FLIGHT, PEER_ACK_FRAMES
 
 
 class FakeBridge:
@@ -38,12 +36,14 @@ class FakeBridge:
 
 
 class FakeTransport:
-    """Records writes; `takes` says whether `send_nowait` accepts everything."""
+    """Records writes; `takes` says whether `send_nowait` accepts everything; `congested`
+    stands for a backlog above the high-water mark."""
 
     closed_cleanly = False
 
     def __init__(self, takes: bool = True) -> None:
         self.takes = takes
+        self.congested = False
         self.nowait: list[bytes] = []
 
     def send_nowait(self, data: bytes) -> bool:
@@ -101,7 +101,7 @@ async def test_a_pass_is_written_once_at_its_end_without_the_writer() -> None:
     assert len(bridge.pass_end) == 1 and served.transport.nowait == []
     bridge.end_pass()
     assert len(served.transport.nowait) == 1
-    assert not connection._dirty.is_set() and not connection._backlog
+    assert not connection.driver.writer_woken and not connection.driver.backlog_left
     served.client.receive_data(served.transport.nowait[0], 0.0)
     texts = [e.text for e in served.client.events() if isinstance(e, DeltaReceived)]
     assert texts == ["t0", "t1", "t2"]
@@ -114,25 +114,25 @@ async def test_what_the_transport_does_not_take_is_left_to_the_writer() -> None:
     connection.conn.send_delta(served.stream, "t", (1,))
     connection.kick()
     bridge.end_pass()
-    assert connection._dirty.is_set() and connection._backlog
+    assert connection.driver.writer_woken and connection.driver.backlog_left
 
 
 async def test_outside_a_pass_a_kick_wakes_the_writer() -> None:
     served = served_stream()
     served.connection.conn.send_delta(served.stream, "t", (1,))
     served.connection.kick()
-    assert served.connection._dirty.is_set() and served.transport.nowait == []
+    assert served.connection.driver.writer_woken and served.transport.nowait == []
 
 
 async def test_a_send_that_arms_an_earlier_deadline_wakes_the_timer_task() -> None:
     served = served_stream()
     connection, bridge = served.connection, served.bridge
-    connection._timer_deadline = trio.current_time() + 3600.0  # the heartbeat, say
+    connection.driver._timer_deadline = trio.current_time() + 3600.0  # the heartbeat, say
     bridge.in_pass = True
     connection.conn.send_delta(served.stream, "t", (1,))  # arms the retransmission timer
     connection.kick()
     bridge.end_pass()
-    assert connection._timer_changed.is_set()
+    assert connection.driver._timer_changed.is_set()
 
 
 def run_pass(served: Served, deltas: int) -> None:
@@ -154,12 +154,12 @@ async def test_a_pass_waits_for_the_peers_ack_while_it_is_writes_behind() -> Non
     run_pass(served, 2)
     run_pass(served, 2)
     assert len(transport.nowait) == MAX_WRITES_IN_FLIGHT  # held: the peer is still reading
-    assert not connection._dirty.is_set()
+    assert not connection.driver.writer_woken
     for write in transport.nowait:
         client.receive_data(write, 0.0)
     client.events()
     connection.conn.receive_data(client.data_to_send(0.0), 0.0)  # its ack
-    connection._after_input()
+    connection.driver.flush_now()
     assert len(transport.nowait) == MAX_WRITES_IN_FLIGHT + 1  # both held passes, one write
     client.receive_data(transport.nowait[-1], 0.0)
     assert [e.index for e in client.events() if isinstance(e, DeltaReceived)] == [
@@ -177,15 +177,35 @@ async def test_a_peer_that_owes_no_ack_yet_is_never_waited_for() -> None:
 async def test_writes_are_forgotten_once_acknowledged_and_control_frames_never_count() -> None:
     served = served_stream()
     connection, client = served.connection, served.client
+    clock = connection.driver.ack_clock
+    assert clock is not None
     for _ in range(MAX_WRITES_IN_FLIGHT):
         run_pass(served, 1)
-    assert len(connection._writes) == MAX_WRITES_IN_FLIGHT
+    assert clock.writes_in_flight == MAX_WRITES_IN_FLIGHT
     for write in served.transport.nowait:
         client.receive_data(write, 0.0)
     client.handle_timers(1.0)  # its delayed ack
     connection.conn.receive_data(client.data_to_send(1.0), 1.0)
-    connection._after_input()
-    assert len(connection._writes) == 0
+    connection.driver.flush_now()
+    assert clock.writes_in_flight == 0
     connection.conn.handle_timers(1000.0)  # heartbeats due: pings, control frames only
-    connection._flush_now()
-    assert len(connection._writes) == 0
+    connection.driver.flush_now()
+    assert clock.writes_in_flight == 0
+
+
+async def test_while_the_transport_is_congested_a_pass_leaves_its_frames_in_the_window() -> None:
+    served = served_stream()
+    connection, transport = served.connection, served.transport
+    transport.congested = True
+    window = connection.conn.send_window_available
+    sent = 0
+    while connection.conn.can_send_delta(served.stream, 1):  # what the pump checks per batch
+        run_pass(served, 1)
+        sent += 1
+    assert sent == window  # the window filled: the pump pauses its engine request
+    assert transport.nowait == [] and connection.driver.writer_woken  # left to the writer
+    transport.congested = False  # the backlog drained below the low-water mark
+    connection.driver.flush_now()
+    assert len(transport.nowait) == 1
+    served.client.receive_data(transport.nowait[0], 0.0)
+    assert len([e for e in served.client.events() if isinstance(e, DeltaReceived)]) == sent
