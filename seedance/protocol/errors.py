@@ -31,6 +31,8 @@ class StreamErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"
     OVERLOADED = "overloaded"
     INTERNAL = "internal"
+    SHUTTING_DOWN = "shutting_down"
+    """With `reason` `cancelled`: the server's drain timed out before the stream ended."""
 
 
 class CloseCode(IntEnum):

@@ -25,7 +25,17 @@ from seedance.server.bridge.engine_factory import create_engine
 from seedance.server.gateway.tcp import serve_tcp
 from seedance.server.gateway.websocket import serve_websocket
 from seedance.server.http import openai_api, ops_routes
+from seedance.server.http.errors import unavailable
 from seedance.server.http.h11_server import Routes, serve_http_connection
+from seedance.server.ops.connection_caps import (
+    FD_RESERVE,
+    ConnectionCaps,
+    LogThrottle,
+    client_key,
+    fd_soft_limit,
+    peer_host,
+    raise_fd_limit,
+)
 from seedance.server.ops.interpreter_tuning import release_interpreter, tune_interpreter
 from seedance.server.ops.metrics import ServerMetrics
 from seedance.server.ops.server_trace import ServerTrace, server_trace_path
@@ -40,6 +50,15 @@ API_KEY_ENV = "SEEDANCE_API_KEY"
 ACCEPT_BACKOFF_SECONDS = 0.1
 """Pause after accept() fails for lack of file descriptors."""
 DRAIN_POLL_SECONDS = 0.05
+DRAIN_CUT_SECONDS = 3.0
+"""After `--drain-timeout`: how long the streams still running have to send their `end` /
+SSE error event and close (1001) before every connection is cut."""
+REFUSE_SECONDS = 1.0
+"""Bound on answering a connection refused at accept (503 written, the request read off)."""
+REFUSE_READ_BYTES = 65536
+REFUSING_MAX = 256
+"""Refused connections answered at once at most; past it a refused one is just closed (a
+connect flood must not hold descriptors with 503s)."""
 _RESOURCE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
 ConnectionHandler = Callable[[trio.abc.Stream], Awaitable[None]]
@@ -99,6 +118,12 @@ class Server:
         """Bound ports by name (`http`, `tcp`), known once `run` has started."""
         self._live_connections = 0
         self._root: trio.Nursery | None = None
+        self.caps = ConnectionCaps(server.max_connections, server.max_connections_per_client)
+        """Open connections in total and per client address (set again by `run`, which
+        fits the total into the file limit)."""
+        self._accept_errors = LogThrottle()
+        self._refusals = LogThrottle()
+        self._refusing = 0
 
     def request_shutdown(self) -> None:
         """Begin the graceful drain (trio thread); `run` returns when it is done."""
@@ -122,6 +147,7 @@ class Server:
         trace_output = self.config.engine.trace_output
         if trace_output:
             ctx.trace = ServerTrace(server_trace_path(trace_output))
+        self.caps = self._connection_caps()
         try:
             http_listeners = await self._listeners(server.port)
             tcp_listeners: list[trio.abc.Listener[trio.abc.Stream]] = []
@@ -147,6 +173,16 @@ class Server:
                 ctx.trace.close()
             log_event(log, "server_stopped")
 
+    def _connection_caps(self) -> ConnectionCaps:
+        """`--max-connections`, lowered so that every admitted connection has a descriptor."""
+        server = self.config.server
+        fits = max(1, fd_soft_limit() - FD_RESERVE)
+        total = min(server.max_connections, fits)
+        if total < server.max_connections:
+            log_event(log, "max_connections_lowered", level=logging.WARNING,
+                      configured=server.max_connections, used=total, fd_limit=fd_soft_limit())
+        return ConnectionCaps(total, server.max_connections_per_client)
+
     async def _listeners(self, port: int) -> list[trio.abc.Listener[trio.abc.Stream]]:
         listeners: list[trio.abc.Listener[trio.abc.Stream]] = list(
             await trio.open_tcp_listeners(port, host=self.config.server.host)
@@ -170,12 +206,13 @@ class Server:
             ctx.session_nursery = sessions
             async with trio.open_nursery() as acceptors:
                 for listener in http_listeners:
-                    acceptors.start_soon(self._accept_loop, listener, http, connections)
+                    acceptors.start_soon(self._accept_loop, listener, http, connections, True)
                 tcp = ctx.gateways.tcp
                 if tcp is not None:
                     tcp_handler: ConnectionHandler = functools.partial(tcp, ctx)
                     for listener in tcp_listeners:
-                        acceptors.start_soon(self._accept_loop, listener, tcp_handler, connections)
+                        acceptors.start_soon(self._accept_loop, listener, tcp_handler,
+                                             connections, False)
                 self._announce()
                 task_status.started(dict(self.ports))
                 await ctx.drain.started.wait()
@@ -201,14 +238,29 @@ class Server:
                     open_requests=ctx.bridge.num_open,
                     connections=self._live_connections,
                 )
+                self._cut_streams()
+                with trio.move_on_after(DRAIN_CUT_SECONDS):
+                    while self._live_connections or ctx.bridge.num_open:
+                        await trio.sleep(DRAIN_POLL_SECONDS)
             connections.cancel_scope.cancel()
             sessions.cancel_scope.cancel()
+
+    def _cut_streams(self) -> None:
+        """`--drain-timeout` passed: every stream still running ends now — protocol streams
+        with `end` (`cancelled`, error `shutting_down`), after which their connections close
+        with 1001; SSE streams with an error event and `[DONE]`."""
+        ctx = self.ctx
+        for record in ctx.sessions.records():
+            for pump in list(record.pumps.values()):
+                pump.shut_down()
+        ctx.drain.expire()
 
     async def _accept_loop(
         self,
         listener: trio.abc.Listener[trio.abc.Stream],
         handler: ConnectionHandler,
         connections: trio.Nursery,
+        http: bool,
     ) -> None:
         while True:
             try:
@@ -216,13 +268,28 @@ class Server:
             except OSError as exc:
                 if exc.errno not in _RESOURCE_ERRNOS:
                     raise
-                log_event(log, "accept_failed", level=logging.ERROR, error=exc.strerror)
+                suppressed = self._accept_errors.allow(trio.current_time())
+                if suppressed is not None:
+                    log_event(log, "accept_failed", level=logging.ERROR, error=exc.strerror,
+                              suppressed=suppressed)
                 await trio.sleep(ACCEPT_BACKOFF_SECONDS)
                 continue
+            client = client_key(peer_host(stream))
+            full = self.caps.admit(client)
             self._live_connections += 1
-            connections.start_soon(self._connection, stream, handler)
+            if full is not None:
+                suppressed = self._refusals.allow(trio.current_time())
+                if suppressed is not None:
+                    log_event(log, "connection_refused", level=logging.WARNING, limit=full,
+                              open=self.caps.open, client_open=self.caps.held_by(client),
+                              suppressed=suppressed)
+                connections.start_soon(self._refuse, stream, http, full)
+                continue
+            connections.start_soon(self._connection, stream, handler, client)
 
-    async def _connection(self, stream: trio.abc.Stream, handler: ConnectionHandler) -> None:
+    async def _connection(
+        self, stream: trio.abc.Stream, handler: ConnectionHandler, client: str | None
+    ) -> None:
         try:
             apply_socket_options(stream, self.config.server)
             await handler(stream)
@@ -233,6 +300,31 @@ class Server:
         finally:
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
+            self._live_connections -= 1
+            self.caps.release(client)
+
+    async def _refuse(self, stream: trio.abc.Stream, http: bool, limit: str) -> None:
+        """A connection past a cap: on the HTTP port a 503 (before any upgrade), read off
+        for at most REFUSE_SECONDS so the client sees it rather than a reset; TCP: closed."""
+        self._refusing += 1
+        try:
+            if http and self._refusing <= REFUSING_MAX:
+                with trio.move_on_after(REFUSE_SECONDS):
+                    await stream.send_all(_refusal_response(limit))
+                    if isinstance(stream, trio.SocketStream):
+                        await stream.send_eof()
+                    taken = 0
+                    while taken < REFUSE_READ_BYTES:
+                        data = await stream.receive_some(REFUSE_READ_BYTES)
+                        if not data:
+                            break
+                        taken += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+            self._refusing -= 1
             self._live_connections -= 1
 
     async def _watch_signals(self) -> None:
@@ -272,6 +364,21 @@ class Server:
         )
 
 
+def _refusal_response(limit: str) -> bytes:
+    """`HTTP/1.1 503` with an OpenAI-style error body, `Connection: close`."""
+    error = unavailable(f"too many connections ({limit} reached); retry later",
+                        code="too_many_connections")
+    body = error.body()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        + "".join(f"{name}: {value}\r\n" for name, value in error.headers)
+        + "connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
 def _port_of(listeners: list[trio.abc.Listener[trio.abc.Stream]]) -> int:
     listener = listeners[0]
     while isinstance(listener, trio.SSLListener):
@@ -283,6 +390,7 @@ def _port_of(listeners: list[trio.abc.Listener[trio.abc.Stream]]) -> int:
 def run_server(config: SeedanceConfig) -> int:
     """`seedance serve`: returns the process exit status (0 after a graceful drain)."""
     configure_logging(config.server.log_level)
+    raise_fd_limit(log)
     gateways = load_gateways()
     try:
         engine = create_engine(config.engine)

@@ -4,11 +4,12 @@ the protocol sessions. One `ServerContext` per server; it lives in the trio thre
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import h11
@@ -39,20 +40,41 @@ class Gateways:
 class DrainState:
     """Graceful shutdown. `begin()` (on SIGTERM/SIGINT) sets `draining` and the `started`
     event: listeners stop accepting, HTTP answers new requests with 503, protocol sessions
-    send `goaway` and refuse new streams; running streams finish up to `--drain-timeout`."""
+    send `goaway` and refuse new streams; running streams finish up to `--drain-timeout`.
+    Then `expire()` sets `expired` and ends what still runs (see `at_expiry`)."""
 
     def __init__(self) -> None:
         self.draining = False
         self.started = trio.Event()
+        self.expired = False
+        """`--drain-timeout` passed: streams still running are ended with `shutting_down`."""
         self.idle_scopes: set[trio.CancelScope] = set()
         """Scopes of connections idle between requests: cancelled by `begin()`. A gateway
         may add the scope of an idle wait here too (and must discard it afterwards)."""
+        self._at_expiry: set[Callable[[], None]] = set()
 
     def begin(self) -> None:
         self.draining = True
         self.started.set()
         for scope in list(self.idle_scopes):
             scope.cancel()
+
+    @contextlib.contextmanager
+    def at_expiry(self, end: Callable[[], None]) -> Iterator[None]:
+        """Within the block, `end()` is called if the drain timeout passes (an HTTP response
+        aborts its engine request, so that it can answer `shutting_down` and end properly)."""
+        if self.expired:
+            end()
+        self._at_expiry.add(end)
+        try:
+            yield
+        finally:
+            self._at_expiry.discard(end)
+
+    def expire(self) -> None:
+        self.expired = True
+        for end in list(self._at_expiry):
+            end()
 
 
 @dataclass

@@ -50,7 +50,7 @@ def test_12_connection_error_codes() -> None:
 def test_12_stream_error_codes() -> None:
     assert {c.value for c in StreamErrorCode} == {
         "invalid_request", "unknown_model", "context_length_exceeded", "rate_limited",
-        "overloaded", "internal",
+        "overloaded", "internal", "shutting_down",
     }
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from seedance.server.gateway.session_ids import stream_request_id
 from tests.integration.protocol_peer import MAGIC, WsPeer, frame, protocol_server
 from tests.integration.running_server import RunningServer
 
@@ -303,7 +304,7 @@ def test_dropped_connection_not_resumed_aborts_after_resume_grace(server: Runnin
     peer.ws.socket.shutdown(socket.SHUT_RDWR)  # no close handshake: a drop
     peer.ws.socket.close()
     started = time.monotonic()
-    assert server.watched.reason_of(f"{session}-1") == "cancelled"  # the server aborted it
+    assert server.watched.reason_of(stream_request_id(session, 1)) == "cancelled"  # the server aborted it
     assert time.monotonic() - started >= 0.3  # kept for resume_grace (0.5 s) first
     server.wait_engine_idle(timeout=10)
 

@@ -1,7 +1,8 @@
 """One protocol stream from `open` to `end`: validate and tokenize the request, open it in the
 engine through the bridge, `accept` it, turn engine deltas into `delta` frames only when the
 frame window and the stream's credit allow (pausing the engine request otherwise), and `end`
-it with the engine's reason and usage — or with `cancelled`, `timeout` or a stream error."""
+it with the engine's reason and usage — or with `cancelled` (error `shutting_down` when the
+drain timed out), `timeout` or a stream error."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from seedance.engine.sampling_params import SamplingParams
 from seedance.protocol import Open, StreamError, Usage
 from seedance.protocol.messages import EndReason
 from seedance.server.bridge.engine_bridge import EngineBridge, RequestHandle
+from seedance.server.gateway.session_ids import stream_request_id
 from seedance.server.ops.server_trace import ServerTrace
 
 log = logging.getLogger("seedance.server.streams")
@@ -114,6 +116,7 @@ class StreamPump:
         self._wakeup = trio.Event()
         self._scope = trio.CancelScope()
         self._cancelled = False
+        self._shutting_down = False
         self._timed_out = False
         self._idle = False
         """The task waits in `receive_batch` with nothing pending: `_on_ready` may send."""
@@ -135,6 +138,12 @@ class StreamPump:
             self._scope.cancel()
         self.wake()
 
+    def shut_down(self) -> None:
+        """The drain timed out: abort like `cancel`; `end(cancelled)` carries the error
+        `shutting_down`, so the client can tell it from its own cancel and retry elsewhere."""
+        self._shutting_down = True
+        self.cancel()
+
     def time_out(self) -> None:
         """A stream- or session-tier ping went unanswered: abort and `end(timeout)`."""
         self._timed_out = True
@@ -152,6 +161,9 @@ class StreamPump:
                 reason, usage = "error", Usage(prompt_tokens=self.prompt_tokens,
                                                completion_tokens=self.sent_tokens)
                 error = StreamError(code="internal", message=f"internal error: {exc}")
+            if self._shutting_down and reason == "cancelled":
+                error = StreamError(code="shutting_down",
+                                    message="the server is shutting down (drain timeout)")
             if not record.closed:
                 record.end_stream(self.stream, reason, usage, error)
         finally:
@@ -187,7 +199,7 @@ class StreamPump:
                 async with ctx.bridge.open_request(
                     token_ids, params, priority=open_.priority,
                     deadline_s=None if open_.deadline_ms is None else open_.deadline_ms / 1000,
-                    request_id=f"{self.record.id}-{self.stream}", param=param,
+                    request_id=stream_request_id(self.record.id, self.stream), param=param,
                 ) as handle:
                     self.handle = handle
                     if self._cancelled:

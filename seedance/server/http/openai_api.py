@@ -153,11 +153,12 @@ async def _generate(
                 logprobs=params.logprobs,
                 token_text=ctx.engine.token_text,
             )
-            if parsed.stream:
-                await exchange.start_stream(200, "text/event-stream", SSE_HEADERS + headers)
-                await _stream(ctx, exchange, handle, shape)
-            else:
-                await _respond_whole(exchange, handle, shape, headers)
+            with ctx.drain.at_expiry(handle.cancel):  # the drain timed out: end properly
+                if parsed.stream:
+                    await exchange.start_stream(200, "text/event-stream", SSE_HEADERS + headers)
+                    await _stream(ctx, exchange, handle, shape)
+                else:
+                    await _respond_whole(exchange, handle, shape, headers)
     except EngineError as exc:
         if exchange.started:
             raise
@@ -309,9 +310,9 @@ def usage_json(usage: Usage | None) -> dict[str, Any] | None:
 
 
 def _error_of(final: RequestDelta) -> HttpError:
-    if final.finish_reason == "cancelled":
+    if final.finish_reason == "cancelled":  # only the server cancels: its drain timed out
         return unavailable(
-            "the request was cancelled by the server (shutting down)", code="cancelled"
+            "the request was cancelled by the server (shutting down)", code="shutting_down"
         )
     return HttpError(
         500,
@@ -338,7 +339,7 @@ async def _stream(
         tokens = sum(len(d.token_ids) for d in deltas)
         out = bytearray(pending)
         pending = b""
-        if final is not None and final.finish_reason == "error":
+        if final is not None and final.finish_reason in ("error", "cancelled"):
             if text:
                 out += shape.content_event(text)
             error = _error_of(final)

@@ -1,6 +1,7 @@
 """SessionRecord and SessionTable: a detached session expires after resume_grace and cancels
 its stream pumps (aborting their engine requests); re-attaching in time keeps it; closed or
-expired sessions are not resumable."""
+expired sessions are not resumable; a session resumes only under the API key that created it
+and only with an `ack` within what it sent; logs see a hash of its id."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import trio
 import trio.testing
 
 from seedance.protocol import Open, ProtocolLimits, SessionState
+from seedance.server.gateway.session_ids import session_tag, stream_request_id
 from seedance.server.gateway.session_table import SessionRecord, SessionTable
 from seedance.server.gateway.websocket import choose_subprotocol
 
@@ -141,3 +143,66 @@ async def test_a_stream_ending_while_detached_does_not_expire_the_session_early(
         assert 1 not in record.pumps
         assert table.resumable("sid", trio.current_time()) is record and not record.closed
         record.close()
+
+
+# -- binding to credentials (issue 12, hole 2) ------------------------------------------------
+
+
+def _keyed_record(table: SessionTable, api_key: str | None) -> SessionRecord:
+    session = SessionState("server", ProtocolLimits(), "keyed")
+    record = SessionRecord(None, session, table, api_key=api_key)  # type: ignore[arg-type]
+    table.add(record)
+    return record
+
+
+async def test_a_session_resumes_only_under_the_key_that_created_it() -> None:
+    table = SessionTable()
+    record = _keyed_record(table, "key-a")
+    connection = FakeConnection()
+    record.attached = connection
+    now = trio.current_time()
+    assert table.resumable("keyed", now, api_key="key-b") is None  # as for an unknown id
+    assert table.resumable("keyed", now) is None
+    assert table.resumable("keyed", now, api_key="key-a ") is None
+    # a refused resume leaves the session as it was: attached, open, in the table
+    assert record.attached is connection and not connection.detached and not record.closed
+    assert table.resumable("keyed", now, api_key="key-a") is record
+
+
+async def test_a_session_created_without_a_key_refuses_every_key() -> None:
+    table = SessionTable()
+    record = _keyed_record(table, None)
+    now = trio.current_time()
+    assert table.resumable("keyed", now, api_key="anything") is None
+    assert table.resumable("keyed", now, api_key="") is None
+    assert table.resumable("keyed", now) is record
+
+
+async def test_a_session_keeps_a_hash_of_its_key_never_the_key() -> None:
+    record = SessionRecord(None, SessionState("server", ProtocolLimits(), "s"),  # type: ignore[arg-type]
+                           SessionTable(), api_key="secret-key")
+    assert "secret-key" not in repr(vars(record))
+    assert record.bound_to("secret-key") and not record.bound_to("secret-kez")
+
+
+async def test_a_resume_ack_must_lie_within_what_the_session_sent() -> None:
+    session = SessionState("server", ProtocolLimits(), "acks")
+    record = SessionRecord(None, session, SessionTable())  # type: ignore[arg-type]
+    for _ in range(3):
+        session.send.push_written(object())  # type: ignore[arg-type]
+    sent = session.send.next_unsent
+    assert sent == 3
+    assert record.accepts_resume_ack(0) and record.accepts_resume_ack(sent)
+    assert not record.accepts_resume_ack(sent + 1)
+    session.send.on_ack(2, (), 0.0)
+    assert not record.accepts_resume_ack(1)  # below what the client already acknowledged
+    assert record.accepts_resume_ack(2)
+
+
+async def test_logs_show_a_short_hash_of_a_session_id() -> None:
+    record = SessionRecord(None, SessionState("server", ProtocolLimits(), "a-secret-id"),  # type: ignore[arg-type]
+                           SessionTable())
+    assert record.tag == session_tag("a-secret-id")
+    assert len(record.tag) == 8 and "secret" not in record.tag
+    assert stream_request_id("a-secret-id", 3).endswith("-3")
+    assert "a-secret-id" not in stream_request_id("a-secret-id", 3)

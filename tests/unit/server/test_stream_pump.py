@@ -39,6 +39,7 @@ from seedance.protocol import (
     Welcomed,
 )
 from seedance.server.bridge.engine_bridge import DEFAULT_BUFFER_TOKENS, EngineBridge
+from seedance.server.gateway.session_ids import stream_request_id
 from seedance.server.gateway.session_table import SessionRecord
 from seedance.server.gateway.stream_pump import StreamPump, sampling_params
 from seedance.server.ops.metrics import ServerMetrics
@@ -318,7 +319,7 @@ async def test_deltas_flow_and_the_end_carries_reason_and_usage(ctx: ServerConte
     assert len(tokens) == 40 and link.text(stream) == bytes(tokens).decode()
     assert end.reason == "length" and end.error is None
     assert end.usage == Usage(prompt_tokens=PROMPT_TOKENS, completion_tokens=40)
-    assert await engine_ended(ctx, f"{link.record.id}-{stream}") == "length"
+    assert await engine_ended(ctx, stream_request_id(link.record.id, stream)) == "length"
 
 
 async def test_an_engine_stop_ends_the_stream_with_stop() -> None:
@@ -342,7 +343,7 @@ async def test_no_credit_pauses_the_request_and_credit_resumes_it(ctx: ServerCon
     tokens = link.tokens(stream)
     assert len(tokens) == 60 and link.text(stream) == bytes(tokens).decode()
     assert end.reason == "length" and end.usage.completion_tokens == 60
-    assert await engine_ended(ctx, f"{link.record.id}-{stream}") == "length"
+    assert await engine_ended(ctx, stream_request_id(link.record.id, stream)) == "length"
 
 
 async def test_a_full_window_pauses_the_request_until_the_client_acks(
@@ -365,7 +366,7 @@ async def test_a_full_window_pauses_the_request_until_the_client_acks(
         end = link.ends[stream]
     assert end.reason == "cancelled"
     assert end.usage.completion_tokens == len(link.tokens(stream))
-    assert await engine_ended(ctx, f"{link.record.id}-{stream}") == "cancelled"
+    assert await engine_ended(ctx, stream_request_id(link.record.id, stream)) == "cancelled"
 
 
 async def test_cancel_aborts_the_engine_request_and_ends_cancelled(ctx: ServerContext) -> None:
@@ -377,7 +378,7 @@ async def test_cancel_aborts_the_engine_request_and_ends_cancelled(ctx: ServerCo
     assert end.reason == "cancelled" and end.error is None
     assert end.usage.prompt_tokens == PROMPT_TOKENS
     assert end.usage.completion_tokens >= len(link.tokens(stream)) >= 10
-    assert await engine_ended(ctx, f"{link.record.id}-{stream}") == "cancelled"
+    assert await engine_ended(ctx, stream_request_id(link.record.id, stream)) == "cancelled"
 
 
 async def test_cancel_while_paused_drops_what_cannot_be_sent(ctx: ServerContext) -> None:
@@ -389,7 +390,7 @@ async def test_cancel_while_paused_drops_what_cannot_be_sent(ctx: ServerContext)
         end = await link.ended(stream)
     assert stream not in link.deltas  # the buffered tokens were never sent
     assert end.reason == "cancelled" and end.usage.completion_tokens >= 1
-    assert await engine_ended(ctx, f"{link.record.id}-{stream}") == "cancelled"
+    assert await engine_ended(ctx, stream_request_id(link.record.id, stream)) == "cancelled"
 
 
 async def test_a_timeout_aborts_the_engine_request(ctx: ServerContext) -> None:
@@ -400,7 +401,7 @@ async def test_a_timeout_aborts_the_engine_request(ctx: ServerContext) -> None:
         end = await link.ended(stream)
     assert end == StreamEnded(stream, "timeout",
                               Usage(prompt_tokens=PROMPT_TOKENS, completion_tokens=2))
-    assert await engine_ended(ctx, f"{link.record.id}-{stream}") == "cancelled"
+    assert await engine_ended(ctx, stream_request_id(link.record.id, stream)) == "cancelled"
 
 
 async def test_closing_the_session_aborts_its_streams(ctx: ServerContext) -> None:
@@ -410,7 +411,7 @@ async def test_closing_the_session_aborts_its_streams(ctx: ServerContext) -> Non
     # leaving `linked` closed the session: its pumps were cancelled, no end is sent
     assert all(stream not in link.ends for stream in streams)
     for stream in streams:
-        assert await engine_ended(ctx, f"{link.record.id}-{stream}") == "cancelled"
+        assert await engine_ended(ctx, stream_request_id(link.record.id, stream)) == "cancelled"
 
 
 # -- refusals and failures -------------------------------------------------------------------
@@ -492,7 +493,7 @@ async def test_a_failure_in_the_fast_path_ends_the_stream_with_an_internal_error
     assert end.reason == "error" and end.error is not None and end.error.code == "internal"
     assert "encoder bug" in end.error.message
     assert "listener_failed" not in caplog.text  # the pump caught it, not the delivery pass
-    assert await engine_ended(ctx, f"{link.record.id}-{stream}") == "cancelled"
+    assert await engine_ended(ctx, stream_request_id(link.record.id, stream)) == "cancelled"
 
 
 # -- parameters -------------------------------------------------------------------------------
