@@ -339,30 +339,6 @@ def test_a_resume_with_a_bad_ack_is_refused_and_the_victim_streams_on(ack: int) 
         _served(srv.port)
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def server_log() -> Iterator[list[logging.LogRecord]]:
-    """Records of the `seedance` loggers during the test (they may not propagate to root)."""
-    handler = _Records()
-    logger = logging.getLogger("seedance")
-    old_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler.records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-
-
 def _drop(peer: WsPeer) -> None:
     """Lose the connection without a close handshake: the session waits for a resume."""
     peer.ws.socket.shutdown(socket.SHUT_RDWR)
@@ -370,7 +346,7 @@ def _drop(peer: WsPeer) -> None:
 
 
 def test_session_ids_are_logged_only_as_a_short_hash(
-    server_log: list[logging.LogRecord],
+    seedance_log: list[logging.LogRecord],
 ) -> None:
     with protocol_server({"protocol": {"resume_grace": 0.3}}) as srv:
         peer = WsPeer(srv.port)
@@ -383,10 +359,10 @@ def test_session_ids_are_logged_only_as_a_short_hash(
         expired = lost.hello()["session"]
         _drop(lost)
         _wait(lambda: {"session_resumed", "session_expired"}
-              <= {record.getMessage() for record in server_log})
+              <= {record.getMessage() for record in seedance_log})
         _served(srv.port)
     formatter = KeyValueFormatter()
-    lines = [formatter.format(record) for record in server_log]
+    lines = [formatter.format(record) for record in seedance_log]
     assert any("event=session_resumed" in line and f"session={session_tag(resumed)}" in line
                for line in lines)
     assert any("event=session_expired" in line and f"session={session_tag(expired)}" in line

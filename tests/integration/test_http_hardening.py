@@ -38,30 +38,6 @@ def server() -> Iterator[RunningServer]:
         yield running
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def http_log() -> Iterator[list[logging.LogRecord]]:
-    """Records of the `seedance` loggers during the test (they may not propagate to root)."""
-    handler = _Records()
-    logger = logging.getLogger("seedance")
-    old_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler.records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-
-
 def _exchange(
     port: int, pieces: Sequence[bytes], *, shut_write: bool = False
 ) -> tuple[bytes, bool]:
@@ -158,9 +134,9 @@ def _refused(
     ids=["cl-then-te", "te-then-cl"],
 )
 def test_content_length_with_transfer_encoding_is_400_and_closes_before_the_next_request(
-    server: RunningServer, http_log: list[logging.LogRecord], headers: bytes
+    server: RunningServer, seedance_log: list[logging.LogRecord], headers: bytes
 ) -> None:
-    data = _refused(server, http_log, [_post(headers, _chunked(BODY)) + PIPELINED], 400)
+    data = _refused(server, seedance_log, [_post(headers, _chunked(BODY)) + PIPELINED], 400)
     assert _error_code(data) == "invalid_framing"
 
 
@@ -174,9 +150,9 @@ def test_content_length_with_transfer_encoding_is_400_and_closes_before_the_next
     ids=["repeated", "list", "conflicting"],
 )
 def test_more_than_one_content_length_is_400_and_closes(
-    server: RunningServer, http_log: list[logging.LogRecord], headers: bytes
+    server: RunningServer, seedance_log: list[logging.LogRecord], headers: bytes
 ) -> None:
-    _refused(server, http_log, [_post(headers) + PIPELINED], 400)
+    _refused(server, seedance_log, [_post(headers) + PIPELINED], 400)
 
 
 @pytest.mark.parametrize(
@@ -189,16 +165,16 @@ def test_more_than_one_content_length_is_400_and_closes(
     ids=["unknown-coding", "chunked-not-last", "chunked-twice"],
 )
 def test_transfer_codings_other_than_one_chunked_are_refused(
-    server: RunningServer, http_log: list[logging.LogRecord], coding: bytes, status: int
+    server: RunningServer, seedance_log: list[logging.LogRecord], coding: bytes, status: int
 ) -> None:
-    _refused(server, http_log, [_post(coding, _chunked(BODY)) + PIPELINED], status)
+    _refused(server, seedance_log, [_post(coding, _chunked(BODY)) + PIPELINED], status)
 
 
 def test_transfer_encoding_in_an_http_1_0_request_is_400(
-    server: RunningServer, http_log: list[logging.LogRecord]
+    server: RunningServer, seedance_log: list[logging.LogRecord]
 ) -> None:
     request = _post(b"Transfer-Encoding: chunked\r\n", _chunked(BODY), version=b"1.0")
-    _refused(server, http_log, [request], 400)
+    _refused(server, seedance_log, [request], 400)
 
 
 def test_one_content_length_still_keeps_the_connection_alive(server: RunningServer) -> None:
@@ -225,9 +201,9 @@ def test_one_content_length_still_keeps_the_connection_alive(server: RunningServ
     ids=["bad-size", "negative-size", "overflowing-size", "missing-crlf"],
 )
 def test_invalid_chunked_body_is_400_with_one_log_line(
-    server: RunningServer, http_log: list[logging.LogRecord], body: bytes
+    server: RunningServer, seedance_log: list[logging.LogRecord], body: bytes
 ) -> None:
-    data = _refused(server, http_log, [_post(b"Transfer-Encoding: chunked\r\n", body)], 400)
+    data = _refused(server, seedance_log, [_post(b"Transfer-Encoding: chunked\r\n", body)], 400)
     assert _error_code(data) == "invalid_body"
 
 
@@ -240,14 +216,14 @@ def test_invalid_chunked_body_is_400_with_one_log_line(
     ids=["chunked", "content-length"],
 )
 def test_body_cut_by_eof_is_400_with_one_log_line(
-    server: RunningServer, http_log: list[logging.LogRecord], headers: bytes, body: bytes
+    server: RunningServer, seedance_log: list[logging.LogRecord], headers: bytes, body: bytes
 ) -> None:
-    data = _refused(server, http_log, [_post(headers, body)], 400, shut_write=True)
+    data = _refused(server, seedance_log, [_post(headers, body)], 400, shut_write=True)
     assert _error_code(data) == "invalid_body"
 
 
 def test_body_that_never_completes_is_408_after_the_request_timeout(
-    server: RunningServer, http_log: list[logging.LogRecord], monkeypatch: pytest.MonkeyPatch
+    server: RunningServer, seedance_log: list[logging.LogRecord], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(h11_server, "REQUEST_TIMEOUT", 0.5)
     with socket.create_connection(("127.0.0.1", server.port), timeout=IO_TIMEOUT) as sock:
@@ -258,7 +234,7 @@ def test_body_that_never_completes_is_408_after_the_request_timeout(
             data += piece
     assert _statuses(data) == [408]
     assert _error_code(data) == "request_timeout"
-    assert [r.getMessage() for r in http_log if r.levelno >= logging.ERROR] == []
+    assert [r.getMessage() for r in seedance_log if r.levelno >= logging.ERROR] == []
 
 
 # -- hole 7: deep nesting --------------------------------------------------------------------
@@ -327,10 +303,10 @@ def test_boolean_parameters_must_be_json_booleans(
 
 @pytest.mark.parametrize("version", [b"9.9", b"2.0", b"0.9"])
 def test_unknown_http_version_is_505(
-    server: RunningServer, http_log: list[logging.LogRecord], version: bytes
+    server: RunningServer, seedance_log: list[logging.LogRecord], version: bytes
 ) -> None:
     request = _post(b"Content-Length: %d\r\n" % len(BODY), version=version)
-    data = _refused(server, http_log, [request], 505)
+    data = _refused(server, seedance_log, [request], 505)
     assert _error_code(data) == "http_version_not_supported"
 
 
@@ -344,7 +320,7 @@ def _head_of(size: int) -> bytes:
 
 @pytest.mark.parametrize("trickled", [False, True], ids=["one-write", "trickled"])
 def test_head_limit_is_the_same_however_the_head_arrives(
-    server: RunningServer, http_log: list[logging.LogRecord], trickled: bool
+    server: RunningServer, seedance_log: list[logging.LogRecord], trickled: bool
 ) -> None:
     def pieces(data: bytes) -> list[bytes]:
         step = 1024 if trickled else len(data)
@@ -355,8 +331,8 @@ def test_head_limit_is_the_same_however_the_head_arrives(
     data, closed = _exchange(server.port, pieces(_head_of(limit) + BODY))
     assert _statuses(data) == [200] and closed
     for size in (limit + 1, 100 * 1024):
-        http_log.clear()
-        data = _refused(server, http_log, pieces(_head_of(size) + BODY), 431)
+        seedance_log.clear()
+        data = _refused(server, seedance_log, pieces(_head_of(size) + BODY), 431)
         assert _error_code(data) == "request_head_too_large"
 
 
@@ -369,10 +345,10 @@ def test_head_of_100_kb_is_431_in_one_write(server: RunningServer) -> None:
 
 
 def test_ordinary_server_without_gateways_refuses_the_same(
-    http_log: list[logging.LogRecord],
+    seedance_log: list[logging.LogRecord],
 ) -> None:
     """The checks live in the HTTP loop, not in a gateway: an HTTP-only server has them."""
     with running_server() as plain:
         request = _post(b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n", _chunked(BODY))
-        _refused(plain, http_log, [request + PIPELINED], 400)
+        _refused(plain, seedance_log, [request + PIPELINED], 400)
 

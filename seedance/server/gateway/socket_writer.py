@@ -155,3 +155,30 @@ class SocketWriter:
             with contextlib.suppress(OSError):
                 socket.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_LINGER,
                                   _LINGER_RESET)
+
+
+class WrittenTransport:
+    """The part of a protocol transport that its `SocketWriter` answers: the backlog, its
+    congestion and the abort (shared by the WebSocket and TCP transports)."""
+
+    def __init__(self, stream: trio.abc.Stream, limits: SendLimits | None = None) -> None:
+        self.stream = stream
+        self._writer = SocketWriter(stream, limits)
+
+    @property
+    def congested(self) -> bool:
+        return self._writer.congested
+
+    async def wait_uncongested(self) -> None:
+        await self._writer.wait_uncongested()
+
+    @property
+    def backlog(self) -> int:
+        return self._writer.backlog
+
+    @property
+    def peak_backlog(self) -> int:
+        return self._writer.peak_backlog
+
+    def abort(self) -> None:
+        self._writer.abort()

@@ -7,40 +7,21 @@ from __future__ import annotations
 import trio
 
 from seedance.server.gateway.protocol_session import ProtocolConnection
-from seedance.server.gateway.socket_writer import SocketWriter
+from seedance.server.gateway.socket_writer import WrittenTransport
 from seedance.server.server_context import ServerContext
 from seedance.transport import SendLimits
 
 RECEIVE_BYTES = 65536
 
 
-class TcpTransport:
+class TcpTransport(WrittenTransport):
     """A trio stream as the protocol's byte pipe."""
 
     closed_cleanly = False
     """A raw TCP peer cannot say it is done on purpose: its session waits for a resume."""
 
     def __init__(self, stream: trio.abc.Stream, limits: SendLimits | None = None) -> None:
-        self.stream = stream
-        self._writer = SocketWriter(stream, limits)
-
-    @property
-    def congested(self) -> bool:
-        return self._writer.congested
-
-    async def wait_uncongested(self) -> None:
-        await self._writer.wait_uncongested()
-
-    @property
-    def backlog(self) -> int:
-        return self._writer.backlog
-
-    @property
-    def peak_backlog(self) -> int:
-        return self._writer.peak_backlog
-
-    def abort(self) -> None:
-        self._writer.abort()
+        super().__init__(stream, limits)
 
     async def receive(self) -> bytes:
         return bytes(await self.stream.receive_some(RECEIVE_BYTES))

@@ -16,7 +16,7 @@ from wsproto.utilities import RemoteProtocolError as WsRemoteProtocolError
 from seedance.protocol import ErrorCode, RemoteProtocolError
 from seedance.protocol.messages import Codec
 from seedance.server.gateway.protocol_session import ProtocolConnection
-from seedance.server.gateway.socket_writer import SocketWriter
+from seedance.server.gateway.socket_writer import WrittenTransport
 from seedance.server.ops.structured_log import log_event
 from seedance.server.server_context import ServerContext
 from seedance.transport import SendLimits
@@ -45,14 +45,13 @@ def choose_subprotocol(offered: list[str]) -> str | None:
     return None
 
 
-class WebSocketTransport:
+class WebSocketTransport(WrittenTransport):
     """Binary WebSocket messages as a byte pipe (messages may split or join frames freely)."""
 
     def __init__(self, stream: trio.abc.Stream, connection: wsproto.WSConnection,
                  limits: SendLimits | None = None) -> None:
-        self.stream = stream
+        super().__init__(stream, limits)
         self.ws = connection
-        self._writer = SocketWriter(stream, limits)
         self._pending: list[bytes] = []
         self._peer_closed = False
         self._clean = False
@@ -60,24 +59,6 @@ class WebSocketTransport:
     @property
     def closed_cleanly(self) -> bool:
         return self._clean
-
-    @property
-    def congested(self) -> bool:
-        return self._writer.congested
-
-    async def wait_uncongested(self) -> None:
-        await self._writer.wait_uncongested()
-
-    @property
-    def backlog(self) -> int:
-        return self._writer.backlog
-
-    @property
-    def peak_backlog(self) -> int:
-        return self._writer.peak_backlog
-
-    def abort(self) -> None:
-        self._writer.abort()
 
     async def _send_raw(self, data: bytes) -> None:
         await self._writer.send(data)
