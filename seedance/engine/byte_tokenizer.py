@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from seedance.engine.errors import EngineError
+from seedance.engine.request_checks import check_text
 
 BOS_ID = 256
 EOS_ID = 257
@@ -26,7 +27,11 @@ class ByteTokenizer:
             raise EngineError(
                 "invalid_request", "prompt: must be a string or a list of token ids", "prompt"
             )
-        return [BOS_ID, *text.encode()]
+        try:
+            data = text.encode()
+        except UnicodeEncodeError:
+            data = check_text(text, "prompt").encode()  # check_text raises, naming the index
+        return [BOS_ID, *data]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()
@@ -59,6 +64,7 @@ class ByteTokenizer:
                 raise EngineError(
                     "invalid_request", f"messages[{i}].content: must be a string", param="messages"
                 )
+            check_text(content, f"messages[{i}].content")
             parts.append(f"<|{role}|>\n{content}\n")
         parts.append("<|assistant|>\n")
         return "".join(parts)

@@ -78,7 +78,11 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._pending: list[RequestDelta] = []
-        """Final deltas of aborted or failed requests, delivered with the next step."""
+        """Final deltas of aborted or failed requests, delivered with the next step (kept
+        here until that step returns, so that a failed step's `fail_all` still has them)."""
+        self._emitting: list[RequestDelta] | None = None
+        """The deltas of the step being built, None between steps: a failed step's finals
+        (requests it already ended) are recovered from it by `fail_all`."""
         self.finished_count = 0
         """Final deltas made so far (the loop scans a step's deltas only when it grew)."""
 
@@ -134,9 +138,11 @@ class EngineCore:
         deadline_s: float | None = None,
         arrival_time: float | None = None,
     ) -> Sequence:
-        """Check and queue a request. Raises EngineError: invalid_request,
-        context_length_exceeded, overloaded."""
+        """Check and queue a request, for callers without the engine loop (the offline API,
+        tests). Raises EngineError: invalid_request, context_length_exceeded, overloaded (the
+        scheduler's queue bound; the loop makes that decision at submit instead)."""
         ids = self.check_request(request_id, prompt, params, priority, deadline_s)
+        self.scheduler.check_room()
         now = time.monotonic() if arrival_time is None else arrival_time
         return self.add_checked_request(
             request_id, ids, params, priority=priority, deadline_s=deadline_s, arrival_time=now
@@ -152,7 +158,8 @@ class EngineCore:
         deadline_s: float | None,
         arrival_time: float,
     ) -> Sequence:
-        """Queue a request whose parameters `check_request` accepted."""
+        """Queue a request whose parameters `check_request` accepted and that was admitted
+        (the queue bound is not checked again here)."""
         if request_id in self.requests:
             raise invalid("request_id", f"{request_id!r} is already in use")
         seq = self._new_sequence(
@@ -241,6 +248,21 @@ class EngineCore:
         return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
 
     # ---- emitting -------------------------------------------------------------------------
+
+    def _begin_step(self) -> list[RequestDelta]:
+        """The list the step builds its deltas in (see `_emitting`)."""
+        deltas: list[RequestDelta] = []
+        self._emitting = deltas
+        return deltas
+
+    def _end_step(self, step: int, deltas: list[RequestDelta], now: float) -> StepOutput:
+        """The step's output: the pending finals, then `deltas`. Only a step that returns
+        takes the pending finals (a failed one leaves them to `fail_all`)."""
+        self._emitting = None
+        if self._pending:
+            deltas = self._pending + deltas
+            self._pending = []
+        return StepOutput(step=step, deltas=deltas, timestamp=now)
 
     def _ends_by_length(self, seq: Sequence, pos: int) -> bool:
         """Whether the output token at index `pos` of `seq.token_ids` is its last by length."""
@@ -347,8 +369,15 @@ class EngineCore:
     # ---- everything at once ---------------------------------------------------------------
 
     def fail_all(self, error: EngineError) -> StepOutput:
-        """End every request with `error` (after an internal failure), freeing everything."""
+        """End every request with `error` after an internal failure (a failed step or the
+        loop's death), freeing everything: the running, waiting and paused ones alike, since
+        a failure anywhere in a step leaves the shared scheduler and block state suspect.
+        Finals already made (pending, or made by the failed step before it raised) go out
+        too; those of the failed step as `error` finals, their last token dropped."""
         deltas, self._pending = self._pending, []
+        if self._emitting is not None:
+            deltas += [_failed(d, error) for d in self._emitting if d.finished]
+            self._emitting = None
         for seq in list(self.requests.values()):
             deltas.append(self._fail_sequence(seq, error))
         self.requests.clear()
@@ -378,3 +407,26 @@ class EngineCore:
 
     def close(self) -> None:
         """Release what the core holds outside memory (trace files)."""
+
+
+def _failed(delta: RequestDelta, error: EngineError) -> RequestDelta:
+    """A final delta of a step that then failed, as an `error` final without its tokens
+    (they were never delivered); one that already failed is kept as it is."""
+    if delta.finish_reason == "error":
+        return delta
+    usage = delta.usage
+    if usage is not None:
+        usage = Usage(
+            usage.prompt_tokens, usage.completion_tokens - len(delta.token_ids), usage.cached_tokens
+        )
+    return RequestDelta(
+        delta.request_id,
+        delta.index,
+        [],
+        "",
+        finished=True,
+        finish_reason="error",
+        usage=usage,
+        error_code=error.code,
+        error_message=error.message,
+    )

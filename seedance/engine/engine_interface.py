@@ -38,9 +38,11 @@ class EngineInterface(Protocol):
         """Queue a request. `deadline_s` is a soft deadline in seconds from now.
 
         Raises EngineError: `invalid_request` (any out-of-range parameter, see
-        request_checks), `context_length_exceeded`, `overloaded` (more requests would wait
-        beyond the batch's free slots than `max_queued_requests`), `internal` (shut down, or
-        the loop died). Never blocks on the engine's step."""
+        request_checks, or a prompt string that is not valid Unicode),
+        `context_length_exceeded`, `overloaded` (more requests would wait beyond the batch's
+        free slots than `max_queued_requests`), `internal` (shut down, or the loop died).
+        Never blocks on the engine's step. An accepted request gets exactly one final delta,
+        and is never refused for `overloaded` afterwards."""
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed within one step. Unknown ids are ignored.
@@ -54,10 +56,12 @@ class EngineInterface(Protocol):
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of `messages` under the tokenizer's chat template, with the generation
-        prompt appended. Raises EngineError(`invalid_request`) on a bad role or content."""
+        prompt appended. Raises EngineError(`invalid_request`) on a bad role or content
+        (content that is not valid Unicode included)."""
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of a plain prompt (with the BOS token if the model uses one)."""
+        """Token ids of a plain prompt (with the BOS token if the model uses one).
+        EngineError(`invalid_request`) if `text` is not valid Unicode (a lone surrogate)."""
 
     def token_text(self, token_id: int) -> str:
         """One token decoded alone, special tokens included (for logprobs). A token holding

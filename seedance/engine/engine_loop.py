@@ -3,9 +3,11 @@ a command inbox applied between steps, the synchronous submit front door (valida
 bound, duplicate id), delivery of each step's deltas in one callback, readiness and shutdown.
 
 It survives any one request's failure: a command or a token that raises ends that request
-with `internal`, a failed step ends the batch's requests with `internal`, and the loop goes on.
-If the loop itself dies, readiness turns false, every live request gets a final `internal`
-delta at once and every later submit is refused with `internal` at once."""
+with `internal`; a failed step ends every request the core holds (running, waiting and paused:
+after a failure anywhere in a step the shared scheduler and KV state are suspect) with
+`internal`, and the loop goes on. If the loop itself dies, readiness turns false, every live
+request gets a final `internal` delta at once and every later submit is refused with
+`internal` at once. Whatever happens, each accepted request gets exactly one final delta."""
 
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ from typing import Any
 
 from seedance.engine.engine_interface import StepCallback
 from seedance.engine.errors import EngineError, invalid
-from seedance.engine.outputs import EngineStats, RequestDelta, StepOutput
+from seedance.engine.outputs import EngineStats, RequestDelta, StepOutput, Usage
 from seedance.engine.sampling_params import SamplingParams
+from seedance.engine.scheduler import overloaded, queue_full
 from seedance.engine.step_core import StepCore
 
 log = logging.getLogger(__name__)
@@ -28,9 +31,10 @@ _STOP = ("stop",)
 SHUT_DOWN = "the engine is shut down"
 
 
-def final_delta(request_id: str, error: EngineError | None) -> RequestDelta:
-    """A final delta with no tokens, made by the loop itself: the request failed with `error`
-    (finish_reason `error`), or was cancelled when `error` is None."""
+def final_delta(request_id: str, error: EngineError | None, prompt_tokens: int) -> RequestDelta:
+    """A final delta with no tokens, made by the loop itself for a request the core never
+    ran or lost track of: it failed with `error` (finish_reason `error`), or was cancelled
+    when `error` is None. Its usage counts the prompt and no generated token."""
     return RequestDelta(
         request_id,
         0,
@@ -38,6 +42,7 @@ def final_delta(request_id: str, error: EngineError | None) -> RequestDelta:
         "",
         finished=True,
         finish_reason="cancelled" if error is None else "error",
+        usage=Usage(prompt_tokens, 0),
         error_code=None if error is None else error.code,
         error_message=None if error is None else error.message,
     )
@@ -63,10 +68,16 @@ class EngineLoop:
         self._thread_name = thread_name
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._live: set[str] = set()
-        """Ids submitted and not finished (their final delta not delivered)."""
-        self._queued = 0
-        """Submits not yet taken in by the engine thread."""
+        self._live: dict[str, int] = {}
+        """Ids submitted and not finished (their final delta not delivered), with their
+        prompt's token count."""
+        self._inbox: set[str] = set()
+        """Ids whose submit is still in the command queue (not yet given to the core)."""
+        self._resumes = 0
+        """resume() commands still in the command queue."""
+        self._counts = core.queue_counts()
+        """The core's (running, waiting) sequences after the engine thread's latest step or
+        command, published under the lock for submit's queue bound."""
         self._thread: threading.Thread | None = None
         self._on_step: StepCallback | None = None
         self._ready = threading.Event()
@@ -125,6 +136,8 @@ class EngineLoop:
         priority: int = 0,
         deadline_s: float | None = None,
     ) -> None:
+        """Accept the request or raise EngineError at once. This is the one admission
+        decision: an accepted request is never refused later (see `_queue_full`)."""
         self._refuse_if_down()
         ids = self.core.check_request(request_id, prompt, params, priority, deadline_s)
         arrival = time.monotonic()
@@ -132,21 +145,25 @@ class EngineLoop:
             self._refuse_if_down()
             if request_id in self._live:
                 raise invalid("request_id", f"{request_id!r} is already in use")
-            running, waiting = self.core.queue_counts()
-            room = max(0, self._max_batch_size - running)
-            if self._queued + waiting >= self._max_queued + room:
-                raise EngineError(
-                    "overloaded",
-                    f"the waiting queue is full ({self._max_queued} requests beyond the "
-                    "batch's free slots)",
-                )
-            self._live.add(request_id)
-            self._queued += 1
+            if self._queue_full():
+                raise overloaded(self._max_queued)
+            self._live[request_id] = len(ids)
+            self._inbox.add(request_id)
             self._commands.put(("submit", request_id, ids, params, priority, deadline_s, arrival))
 
+    def _queue_full(self) -> bool:
+        """The queue bound (under the lock): the core's waiting sequences, plus the submits
+        and resumes still in the command queue (a resume may queue a paused request again),
+        against `max_queued_requests` plus the batch's free slots, with the counts the engine
+        thread published after its latest step or command."""
+        running, waiting = self._counts
+        pending = len(self._inbox) + self._resumes
+        return queue_full(running, waiting + pending, self._max_batch_size, self._max_queued)
+
     def _refuse_if_down(self) -> None:
+        """A fresh error each time (raising a stored one would grow its traceback)."""
         if self._dead is not None:
-            raise self._dead
+            raise EngineError(self._dead.code, self._dead.message)
         if self._stopped:
             raise EngineError("internal", SHUT_DOWN)
 
@@ -157,7 +174,10 @@ class EngineLoop:
         self._command("pause", request_id)
 
     def resume(self, request_id: str) -> None:
-        self._command("resume", request_id)
+        with self._lock:  # counted by the queue bound until applied
+            if self._dead is None and request_id in self._live:
+                self._resumes += 1
+                self._commands.put(("resume", request_id))
 
     def _command(self, kind: str, request_id: str) -> None:
         if self._dead is None and request_id in self._live:
@@ -207,8 +227,8 @@ class EngineLoop:
                 try:
                     out = core.step()
                 except Exception as exc:
-                    log.exception("engine step failed; failing the batch's requests")
-                    out = core.fail_all(EngineError("internal", f"engine step failed: {exc!r}"))
+                    self._deliver(self._fail_step(exc, rejected))
+                    continue
             else:
                 out = StepOutput(step=core.step_count, deltas=[], timestamp=time.monotonic())
             if rejected:
@@ -220,14 +240,32 @@ class EngineLoop:
         self._deliver(self._with_finals(out.step, rejected + out.deltas, None))
         self._close_core()
 
+    def _fail_step(self, exc: Exception, rejected: list[RequestDelta]) -> StepOutput:
+        """After a failed step: `rejected`, the core's finals (`fail_all`), and an `internal`
+        final for every other live request except those still in the inbox (applied next) —
+        one the failed step ended, say, whose final the core could not recover."""
+        log.exception("engine step failed; failing every request in the core")
+        error = EngineError("internal", f"engine step failed: {exc!r}")
+        out = self.core.fail_all(error)
+        return self._with_finals(out.step, rejected + out.deltas, error, spare_inbox=True)
+
     def _apply(self, command: tuple[Any, ...], rejected: list[RequestDelta]) -> None:
         """One caller's command. A failure other than a refusal ends that request only."""
+        try:
+            self._apply_command(command, rejected)
+        finally:
+            with self._lock:
+                if command[0] == "submit":
+                    self._inbox.discard(command[1])
+                elif command[0] == "resume":
+                    self._resumes -= 1
+                self._counts = self.core.queue_counts()
+
+    def _apply_command(self, command: tuple[Any, ...], rejected: list[RequestDelta]) -> None:
         core = self.core
         kind = command[0]
         if kind == "submit":
             _, request_id, ids, params, priority, deadline_s, arrival = command
-            with self._lock:
-                self._queued -= 1
             try:
                 core.add_checked_request(
                     request_id,
@@ -237,12 +275,13 @@ class EngineLoop:
                     deadline_s=deadline_s,
                     arrival_time=arrival,
                 )
-            except EngineError as exc:  # e.g. the queue filled up meanwhile
-                rejected.append(final_delta(request_id, exc))
+            except EngineError as exc:  # a core refusing what the loop accepted: a bug
+                rejected.append(final_delta(request_id, exc, len(ids)))
             except Exception as exc:
                 log.exception("adding request %s failed", request_id)
                 core.abort_request(request_id, notify=False)
-                rejected.append(final_delta(request_id, _internal("adding the request", exc)))
+                error = _internal("adding the request", exc)
+                rejected.append(final_delta(request_id, error, len(ids)))
             return
         request_id = command[1]
         try:
@@ -257,15 +296,21 @@ class EngineLoop:
             core.fail_request(request_id, _internal(f"{kind} failed", exc))
 
     def _deliver(self, out: StepOutput, any_finished: bool = True) -> None:
-        """Hand `out` to on_step (its finished requests are no longer live first). With
-        `any_finished` False, no delta of `out` is final (not scanned)."""
-        self._stats = self.core.stats()
+        """Publish the core's counts, then hand `out` to on_step (its finished requests are
+        no longer live first). With `any_finished` False, no delta of `out` is final (not
+        scanned)."""
+        core = self.core
+        self._stats = core.stats()
+        with self._lock:
+            self._counts = core.queue_counts()
         if not out.deltas:
             return
         if any_finished:
             finished = [d.request_id for d in out.deltas if d.finished]
             with self._lock:
-                self._live.difference_update(finished)
+                live = self._live
+                for request_id in finished:
+                    live.pop(request_id, None)
         assert self._on_step is not None
         try:
             self._on_step(out)
@@ -273,15 +318,23 @@ class EngineLoop:
             log.exception("the on_step callback raised; continuing")
 
     def _with_finals(
-        self, step: int, deltas: list[RequestDelta], error: EngineError | None
+        self,
+        step: int,
+        deltas: list[RequestDelta],
+        error: EngineError | None,
+        *,
+        spare_inbox: bool = False,
     ) -> StepOutput:
         """`deltas` plus a final delta (`error`, or cancelled) for every live request they do
-        not end."""
+        not end (but those still in the inbox if `spare_inbox`)."""
         ended = {d.request_id for d in deltas if d.finished}
         with self._lock:
-            rest = sorted(self._live - ended)
-        deltas = deltas + [final_delta(rid, error) for rid in rest]
-        return StepOutput(step=step, deltas=deltas, timestamp=time.monotonic())
+            live = self._live
+            rest = live.keys() - ended
+            if spare_inbox:
+                rest -= self._inbox
+            extra = [final_delta(rid, error, live[rid]) for rid in sorted(rest)]
+        return StepOutput(step=step, deltas=deltas + extra, timestamp=time.monotonic())
 
     def _die(self, exc: BaseException) -> None:
         """The loop failed outside any one request: refuse new work, fail every live request
@@ -299,6 +352,7 @@ class EngineLoop:
         out = self._with_finals(self.core.step_count, deltas, error)
         with self._lock:
             self._live.clear()
+            self._inbox.clear()
         try:
             self._stats = self.core.stats()
         except BaseException:

@@ -101,8 +101,7 @@ class LLMEngine(EngineCore):
         previous = self._inflight
         self._inflight = (work, sampled) if work.prepared is not None else None
         if previous is None:
-            deltas, self._pending = self._pending, []
-            return StepOutput(step=work.step, deltas=deltas, timestamp=time.monotonic())
+            return self._end_step(work.step, [], time.monotonic())
         return self.emit_launched(*previous)
 
     def launch(self, work: StepWork) -> SampledTokens | None:
@@ -145,7 +144,7 @@ class LLMEngine(EngineCore):
         """Overlap's emit stage for a launched step: read its tokens, then as `emit`. Rows of
         sequences that finished or were aborted since the launch are discarded."""
         t0 = time.monotonic()
-        deltas, self._pending = self._pending, []
+        deltas = self._begin_step()
         self._resolve(work, sampled)
         for seq in work.batch.seqs:
             if self.requests.get(seq.request_id) is seq:
@@ -163,7 +162,7 @@ class LLMEngine(EngineCore):
         work.timings["detokenize"] = now - t0
         if self.tracer is not None and work.prepared is not None:
             self._trace(work, sampled, indices)
-        return StepOutput(step=work.step, deltas=deltas, timestamp=now)
+        return self._end_step(work.step, deltas, now)
 
     def fetch(self) -> StepWork:
         """Stage 1: schedule the batch and build its input tensors."""
@@ -205,7 +204,7 @@ class LLMEngine(EngineCore):
     def emit(self, work: StepWork, sampled: SampledTokens | None) -> StepOutput:
         """Stage 3: advance the sequences, detokenize, finish, and build the step's deltas."""
         t0 = time.monotonic()
-        deltas, self._pending = self._pending, []
+        deltas = self._begin_step()
         for seq, n in zip(work.batch.seqs, work.batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
@@ -224,7 +223,7 @@ class LLMEngine(EngineCore):
         work.timings["detokenize"] = now - t0
         if self.tracer is not None and work.prepared is not None:
             self._trace(work, sampled, indices)
-        return StepOutput(step=work.step, deltas=deltas, timestamp=now)
+        return self._end_step(work.step, deltas, now)
 
     def fail_all(self, error: EngineError) -> StepOutput:
         """End every request with `error` (after an internal failure), freeing everything."""

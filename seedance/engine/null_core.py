@@ -101,13 +101,13 @@ class NullCore(EngineCore):
         start = time.monotonic()
         self.step_count += 1
         batch = self.scheduler.schedule(start)
-        deltas, self._pending = self._pending, []
+        deltas = self._begin_step()
         if batch.seqs:
             self._run(batch, deltas, start)
         now = time.monotonic()
         if self.tracer is not None:
-            self._trace(start, now, batch, deltas)
-        return StepOutput(step=self.step_count, deltas=deltas, timestamp=now)
+            self._trace(start, now, batch, deltas)  # pending finals carry no tokens
+        return self._end_step(self.step_count, deltas, now)
 
     def _run(self, batch: SchedulerOutput, deltas: list[RequestDelta], now: float) -> None:
         """The "forward pass": every scheduled sequence computes its new tokens; those that

@@ -23,6 +23,9 @@ class RequestDelta(msgspec.Struct, frozen=True):
     `index` is the position (in generated tokens) of the first token in `token_ids`; `text` is
     valid UTF-8 and excludes anything that may still become a stop string. When `finished` is
     set, `finish_reason` and `usage` are too, and `error_code`/`error_message` when it failed.
+    The engine loop makes a final itself only for a request the core never ran or lost track
+    of (the loop's death with the request still in its inbox, say): index 0, no tokens, and
+    usage counting the prompt and no generated token.
     """
 
     request_id: str

@@ -95,6 +95,16 @@ def check_deadline(deadline_s: object) -> float | None:
     return value
 
 
+def check_text(text: str, param: str) -> str:
+    """`text` as a tokenizer can take it: a lone surrogate (a str with no UTF-8 form, which
+    JSON's \\ud800 escapes can produce) is refused naming `param`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(param, f"not valid Unicode (a lone surrogate at index {exc.start})") from None
+    return text
+
+
 def check_prompt_ids(prompt: object, limits: RequestLimits) -> list[int]:
     """A token-id prompt: a non-empty list of ints in the vocabulary that leaves room for one
     generated token."""

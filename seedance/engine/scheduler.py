@@ -72,6 +72,19 @@ class SchedulerOutput:
         return not self.seqs
 
 
+def queue_full(running: int, waiting: int, max_batch_size: int, max_queued: int) -> bool:
+    """The queue bound: no more sequence may queue once `waiting` reaches `max_queued` plus
+    the batch's free slots (`max_batch_size - running`)."""
+    return waiting >= max_queued + max(0, max_batch_size - running)
+
+
+def overloaded(max_queued: int) -> EngineError:
+    return EngineError(
+        "overloaded",
+        f"the waiting queue is full ({max_queued} requests beyond the batch's free slots)",
+    )
+
+
 class Scheduler:
     """Owns the waiting, running and paused sequences and the block manager's allocations."""
 
@@ -105,16 +118,21 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.paused)
 
+    def check_room(self, pending: int = 0) -> None:
+        """EngineError('overloaded') unless one more sequence may queue: at most
+        `max_queued_requests` may wait beyond the batch's free slots, counting `pending`
+        sequences about to be queued (see `queue_full`)."""
+        if queue_full(
+            len(self.running),
+            len(self.waiting) + pending,
+            self.max_batch_size,
+            self.max_queued_requests,
+        ):
+            raise overloaded(self.max_queued_requests)
+
     def add(self, seq: Sequence, now: float | None = None) -> None:
-        """Queue a new sequence; EngineError('overloaded') when more than
-        `max_queued_requests` sequences would wait beyond the batch's free slots."""
-        room = max(0, self.max_batch_size - len(self.running))
-        if len(self.waiting) >= self.max_queued_requests + room:
-            raise EngineError(
-                "overloaded",
-                f"the waiting queue is full ({self.max_queued_requests} requests beyond the "
-                "batch's free slots)",
-            )
+        """Queue a new, admitted sequence (`check_room` is the admission decision; the
+        engine loop makes it at submit, so this never refuses)."""
         self.window.record_arrival(time.monotonic() if now is None else now)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)

@@ -39,9 +39,6 @@ class StepCore(Protocol):
     ) -> list[int]:
         """Every submit-time check (`request_checks`); the prompt's token ids."""
 
-    def queue_counts(self) -> tuple[int, int]:
-        """(running, waiting) sequences, read without a lock (an estimate between steps)."""
-
     def encode(self, text: str) -> list[int]: ...
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
@@ -49,6 +46,9 @@ class StepCore(Protocol):
     def token_text(self, token_id: int) -> str: ...
 
     # ---- the engine thread only -----------------------------------------------------------
+
+    def queue_counts(self) -> tuple[int, int]:
+        """(running, waiting) sequences (the loop publishes them for its queue bound)."""
 
     def add_checked_request(
         self,
@@ -60,8 +60,8 @@ class StepCore(Protocol):
         deadline_s: float | None,
         arrival_time: float,
     ) -> object:
-        """Queue a request `check_request` accepted. EngineError('overloaded') if the queue is
-        full by now."""
+        """Queue a request `check_request` accepted and the loop admitted: never refused for
+        the queue bound (the loop's submit is the one admission decision)."""
 
     def abort_request(self, request_id: str, *, notify: bool = True) -> None: ...
 
@@ -77,7 +77,10 @@ class StepCore(Protocol):
 
     def step(self) -> StepOutput: ...
 
-    def fail_all(self, error: EngineError) -> StepOutput: ...
+    def fail_all(self, error: EngineError) -> StepOutput:
+        """End every request the core holds with `error` and free everything (after a failed
+        step or the loop's death); finals already made, pending or made by the failed step,
+        go out too, each request ending once."""
 
     def abort_all(self) -> StepOutput: ...
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from seedance.engine.errors import EngineError, invalid
+from seedance.engine.request_checks import check_text
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -37,7 +38,7 @@ class Tokenizer:
         """Token ids of a plain prompt, with the BOS token if the tokenizer adds one."""
         if not isinstance(text, str):
             raise invalid("prompt", "must be a string or a list of token ids")
-        return list(self.hf.encode(text, add_special_tokens=True))
+        return list(self.hf.encode(check_text(text, "prompt"), add_special_tokens=True))
 
     def token_text(self, token_id: int) -> str:
         """One token decoded alone, special tokens included."""
@@ -52,6 +53,7 @@ class Tokenizer:
                 raise invalid(f"messages[{i}].role", f"must be one of {sorted(CHAT_ROLES)}")
             if not isinstance(m.get("content"), str):
                 raise invalid(f"messages[{i}].content", "must be a string")
+            check_text(m["content"], f"messages[{i}].content")
         if not self.has_chat_template:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
             return self.encode(text)

@@ -4,6 +4,7 @@ wait beyond the batch's free slots; duplicate live ids are refused."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import msgspec
@@ -11,7 +12,7 @@ import pytest
 
 from seedance.engine.errors import EngineError
 from seedance.engine.sampling_params import SamplingParams
-from tests.contract.conftest import MakeEngine
+from tests.contract.conftest import TIMEOUT, MakeEngine
 
 PROMPT = [0, 100, 101, 102]
 FOREVER = SamplingParams(max_tokens=100_000, ignore_eos=True)
@@ -119,6 +120,88 @@ def test_bad_prompts_are_refused(make_engine: MakeEngine, prompt: Any, code: str
     with pytest.raises(EngineError) as err:
         engine.submit("bad", prompt, SamplingParams())
     assert err.value.code == code and err.value.param == "prompt"
+
+
+@pytest.mark.parametrize("text", ["\ud800", "a\udfffb"])
+def test_text_with_a_lone_surrogate_is_an_invalid_request(
+    make_engine: MakeEngine, text: str
+) -> None:
+    """A str with no UTF-8 form (JSON's "\\ud800" escape decodes to one) is refused by
+    submit, encode and encode_chat alike, naming the field."""
+    engine, deltas = make_engine()
+    calls: list[tuple[str, Any]] = [
+        ("prompt", lambda: engine.submit("bad", text, SamplingParams())),
+        ("prompt", lambda: engine.encode(text)),
+        ("messages[1].content", lambda: engine.encode_chat(
+            [{"role": "system", "content": "hi"}, {"role": "user", "content": text}]
+        )),
+    ]
+    for param, call in calls:
+        with pytest.raises(EngineError) as err:
+            call()
+        assert err.value.code == "invalid_request"
+        assert err.value.message.startswith(param)
+    assert not deltas.of("bad")
+    engine.submit("bad", "fine", SamplingParams(max_tokens=1))  # the id was never taken
+    assert deltas.final("bad").finished
+
+
+def test_a_pending_resume_counts_against_the_queue_bound(make_engine: MakeEngine) -> None:
+    """The bound counts a resume() the loop has not applied yet: a submit made right after it
+    is refused at once, never accepted and then ended with `overloaded`."""
+    engine, deltas = make_engine(start=False, max_batch_size=2, max_queued_requests=0)
+    engine.submit("running", PROMPT, FOREVER)
+    engine.submit("paused", PROMPT, FOREVER)
+    deltas.hold(wait=False)
+    engine.start(deltas)
+    deltas.wait_held()
+    engine.pause("paused")
+    deltas.release()
+    deltas.hold()  # one more step: "paused" left the batch, which has one free slot
+    try:
+        assert engine.stats().num_paused == 1
+        engine.resume("paused")  # still in the inbox: it will take the free slot
+        with pytest.raises(EngineError) as err:
+            engine.submit("late", PROMPT, FOREVER)
+        assert err.value.code == "overloaded"
+    finally:
+        deltas.release()
+    deltas.wait_tokens("paused", 3)
+    for rid in ("running", "paused"):
+        engine.abort(rid)
+        assert deltas.final(rid).finish_reason in ("cancelled", "length")
+    assert not deltas.of("late")
+
+
+def test_a_submit_racing_the_engine_taking_one_in_is_decided_at_once(
+    make_engine: MakeEngine,
+) -> None:
+    """A submit made while the engine thread is taking an earlier one in (between the inbox
+    and the scheduler's queue) sees that one counted exactly once: refused at submit when the
+    bound is reached, never accepted and later ended with `overloaded`."""
+    engine, deltas = make_engine(max_batch_size=1, max_queued_requests=0)
+    real_add = engine.core.add_checked_request
+    inside, go = threading.Event(), threading.Event()
+
+    def add(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        if request_id == "first":
+            inside.set()
+            assert go.wait(TIMEOUT)
+        return real_add(request_id, *args, **kwargs)
+
+    engine.core.add_checked_request = add
+    engine.submit("first", PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert inside.wait(TIMEOUT)
+    try:
+        with pytest.raises(EngineError) as err:
+            engine.submit("second", PROMPT, FOREVER)
+        assert err.value.code == "overloaded"
+    finally:
+        go.set()
+    assert deltas.final("first").finish_reason == "length"
+    assert not deltas.of("second")
+    engine.submit("second", PROMPT, SamplingParams(max_tokens=1))  # the slot is free again
+    assert deltas.final("second").finish_reason == "length"
 
 
 def test_bad_request_ids_and_params_objects_are_refused(make_engine: MakeEngine) -> None:

@@ -5,6 +5,8 @@ urgent arrivals, pause/resume, the bounded queue and the adaptive batching windo
 from __future__ import annotations
 
 import math
+import random
+from typing import Any
 
 import pytest
 
@@ -176,27 +178,46 @@ def test_remove_frees_blocks_wherever_the_sequence_is():
     assert s.block_manager.free_block_count == s.block_manager.num_blocks
 
 
+def admit(s: Scheduler, q: Sequence) -> None:
+    """What a caller without the engine loop does: the bound check, then add."""
+    s.check_room()
+    s.add(q, 0.0)
+
+
 def test_the_queue_bound_counts_only_requests_beyond_the_free_batch_slots():
     s = make(batch=2, queued=1)
-    s.add(seq("a", 2), 0.0)
-    s.add(seq("b", 2), 0.0)  # two free slots: both fit the batch
-    s.add(seq("c", 2), 0.0)  # the one request allowed to wait
+    admit(s, seq("a", 2))
+    admit(s, seq("b", 2))  # two free slots: both fit the batch
+    admit(s, seq("c", 2))  # the one request allowed to wait
     with pytest.raises(EngineError) as err:
-        s.add(seq("d", 2), 0.0)
+        admit(s, seq("d", 2))
     assert err.value.code == "overloaded"
     finish_step(s, s.schedule(0.0))  # a and b run: no free slot, c waits
     with pytest.raises(EngineError):
-        s.add(seq("e", 2), 0.0)
+        admit(s, seq("e", 2))
+    s.remove(s.running[0])  # a slot frees: c will take it, one more may wait
+    s.check_room()
+    with pytest.raises(EngineError):
+        s.check_room(pending=1)  # counting one about to be queued
 
 
 def test_a_zero_queue_bound_accepts_while_the_batch_has_room():
     s = make(batch=2, queued=0)
-    s.add(seq("a", 2), 0.0)
+    admit(s, seq("a", 2))
     finish_step(s, s.schedule(0.0))
-    s.add(seq("b", 2), 0.0)  # one slot left
+    admit(s, seq("b", 2))  # one slot left
     with pytest.raises(EngineError) as err:
-        s.add(seq("c", 2), 0.0)  # b takes the last slot: nothing may wait
+        admit(s, seq("c", 2))  # b takes the last slot: nothing may wait
     assert err.value.code == "overloaded"
+
+
+def test_add_never_refuses_an_admitted_sequence():
+    """The bound is the caller's decision (the engine loop makes it at submit): `add` queues
+    whatever it is given, even beyond the bound."""
+    s = make(batch=1, queued=0)
+    admit(s, seq("a", 2))
+    s.add(seq("b", 2), 0.0)
+    assert [q.request_id for q in s.waiting] == ["a", "b"]
 
 
 def test_prefill_chunks_adapt_to_free_blocks():
@@ -293,3 +314,69 @@ def test_the_steady_shortcut_is_skipped_while_anything_waits_or_has_a_deadline()
     finish_step(s, s.schedule(0.0))
     assert s._schedule_steady() is None  # b's deadline may reorder the batch
     s.remove(s.running[-1] if s.running[-1].request_id == "b" else s.running[0])
+
+
+def full_snapshot(s: Scheduler, out: SchedulerOutput) -> tuple[object, ...]:
+    """The batch and every queue's sequences, blocks and progress."""
+    return (
+        ids(out),
+        out.num_new_tokens,
+        [q.request_id for q in out.preempted],
+        out.batch_window,
+        [(q.request_id, list(q.block_ids), q.num_computed_tokens) for q in s.running],
+        [(q.request_id, list(q.block_ids)) for q in s.waiting],
+        sorted((k, list(v.block_ids)) for k, v in s.paused.items()),
+        s.block_manager.free_block_count,
+        s.num_preemptions,
+    )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_steady_shortcut_agrees_with_the_general_path_on_random_traces(seed: int) -> None:
+    """A seeded differential fuzz: random arrivals (priorities, soft deadlines), pauses,
+    resumes and finishes under tight budgets and blocks (preemption), driven identically
+    through a scheduler with the shortcut and one without; every step must agree."""
+    taken = [0, 0]  # steps the shortcut took and declined
+    for trial in range(10):
+        rng = random.Random(seed * 1000 + trial)
+        nb, budget = rng.choice([6, 10, 16, 40]), rng.choice([4, 6, 8, 32])
+        batch = rng.choice([2, 4, 8])
+        fast = make(num_blocks=nb, budget=budget, batch=batch)
+        slow = make(num_blocks=nb, budget=budget, batch=batch)
+        shortcut = fast._schedule_steady
+
+        def counted(shortcut: Any = shortcut) -> SchedulerOutput | None:
+            out = shortcut()
+            taken[out is None] += 1
+            return out
+
+        fast._schedule_steady = counted  # type: ignore[method-assign]
+        n = 0
+        for step in range(120):
+            now = float(step) * rng.choice([0.1, 1.0])
+            r = rng.random()
+            if r < 0.15 and len(fast.waiting) < 6:
+                n += 1
+                deadline = now + rng.choice([0.2, 3.0, 50.0]) if rng.random() < 0.2 else None
+                priority, length = rng.randint(0, 3), rng.randint(1, 9)
+                for s in (fast, slow):
+                    s.add(seq(f"r{n}", length, priority=priority, deadline=deadline), now)
+            elif r < 0.22 and fast.running:
+                rid = rng.choice(fast.running).request_id
+                for s in (fast, slow):
+                    s.pause(next(q for q in s.running if q.request_id == rid))
+            elif r < 0.30 and fast.paused:
+                rid = rng.choice(sorted(fast.paused))
+                for s in (fast, slow):
+                    s.resume(s.paused[rid])
+            a, b = fast.schedule(now), general_schedule(slow, now)
+            assert full_snapshot(fast, a) == full_snapshot(slow, b), (seed, trial, step)
+            for s, out in ((fast, a), (slow, b)):
+                finish_step(s, out)
+            limit = rng.randint(3, 15)
+            done = {q.request_id for q in fast.running if q.num_output_tokens >= limit}
+            for s in (fast, slow):
+                for q in list(s.running):
+                    if q.request_id in done:
+                        s.remove(q)
+    assert taken[0] > 100 and taken[1] > 100  # both paths really ran
