@@ -63,6 +63,9 @@ class NullCore(EngineCore):
             config, BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         )
         self._eos_after = eos_after
+        self.plain_shortcut = True
+        """Emit plain tokens (NullSequence.steady_end) without the detokenizer; tests turn it
+        off to compare against the general emission."""
         self._unseeded = itertools.count()
         self.tracer = TraceWriter(config.trace_output) if config.trace_output else None
 
@@ -90,7 +93,12 @@ class NullCore(EngineCore):
         if not params.greedy and seed is None:
             seed = self.config.seed + next(self._unseeded) + 1
         seq.offset = output_offset(prompt_ids, None if params.greedy else seed)
-        if not params.stop and not params.stop_token_ids and params.logprobs is None:
+        if (
+            self.plain_shortcut
+            and not params.stop
+            and not params.stop_token_ids
+            and params.logprobs is None
+        ):
             end = min(params.max_tokens, self.max_model_len - len(prompt_ids)) - 1
             if self._eos_after is not None and not params.ignore_eos:
                 end = min(end, self._eos_after - 1)
@@ -116,11 +124,23 @@ class NullCore(EngineCore):
             self._run_steady(batch.seqs, deltas, now)
             return
         commit = self.block_manager.commit
+        block_size = self.block_manager.block_size
+        text, text_len, chars = OUTPUT_TEXT, len(OUTPUT_TEXT), _CHAR
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
-            commit(seq)
+            if n > 1 or seq.num_computed_tokens % block_size == 0:
+                commit(seq)  # a block may have filled up: register it in the prefix cache
             pos = len(seq.token_ids)
-            if seq.num_computed_tokens == pos:
+            if seq.num_computed_tokens != pos:
+                continue
+            index = pos - seq.num_prompt_tokens
+            if 0 < index < seq.steady_end:  # type: ignore[attr-defined]
+                token = text[(seq.offset + index) % text_len]  # type: ignore[attr-defined]
+                seq.token_ids.append(token)
+                seq.num_emitted_tokens = index + 1
+                deltas.append(RequestDelta(seq.request_id, index, [token], chars[token]))
+                self.generation_tokens_total += 1
+            else:
                 self._sample_and_emit(seq, pos, deltas, now)
 
     def _run_steady(self, seqs: list[Sequence], deltas: list[RequestDelta], now: float) -> None:

@@ -4,6 +4,7 @@ pause/resume and the adaptive batching window."""
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import deque
@@ -209,19 +210,29 @@ class Scheduler:
             return s.urgency(now, DEADLINE_BOOST_S)
 
         self.waiting.sort(key=key)
-        self.running.sort(key=key)
-        self._running_sorted = True
+        if self._num_deadlines or not self._running_sorted:  # else the keys cannot have moved
+            self.running.sort(key=key)
+            self._running_sorted = True
         limit = min(self.max_batch_size, self.window.size(len(self.waiting)))
         out.batch_window = limit
         self._preempt_for_urgent_arrivals(limit, now, out)
         memory_short = False
 
         budget = self.max_num_batched_tokens
+        block_size = bm.block_size
         scheduled: set[int] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             want = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if want == 1 and seq.num_computed_tokens < len(seq.block_ids) * block_size:
+                # a decode with room in its last block: `_chunk` gives 1, `allocate` nothing
+                out.seqs.append(seq)
+                out.num_new_tokens.append(1)
+                scheduled.add(id(seq))
+                budget -= 1
+                i += 1
+                continue
             # a prefill chunk leaves the watermark to decodes unless it could not progress
             num_new = self._chunk(seq, want, reserve=want > 1)
             if num_new == 0:
@@ -266,8 +277,14 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             if self.running and key(seq) < key(self.running[-1]):
-                self._running_sorted = False
-            self.running.append(seq)
+                if self._running_sorted and not self._num_deadlines:
+                    # static keys: insert in place, so the next step need not sort again
+                    bisect.insort(self.running, seq, key=key)
+                else:
+                    self._running_sorted = False
+                    self.running.append(seq)
+            else:
+                self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
             budget -= num_new

@@ -348,6 +348,7 @@ def test_the_steady_path_agrees_with_the_general_one_on_random_traces(seed: int)
         eos = rng.choice([None, 5, 30])
         fast, slow = NullCore(config, eos_after=eos), NullCore(config, eos_after=eos)
         slow.scheduler._schedule_steady = lambda: None  # type: ignore[method-assign]
+        slow.plain_shortcut = False  # every token through the detokenizer and stop checks
         shortcut = fast.scheduler._schedule_steady
 
         def counted(shortcut: Any = shortcut) -> Any:
