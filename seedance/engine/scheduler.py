@@ -200,7 +200,7 @@ class Scheduler:
         """Choose this step's batch. Running sequences first (most urgent first), then waiting
         ones while the budget, the batch window and the free blocks allow."""
         now = time.monotonic() if now is None else now
-        steady = self._schedule_steady()
+        steady = self._schedule_steady(now)
         if steady is not None:
             return steady
         out = SchedulerOutput()
@@ -257,6 +257,17 @@ class Scheduler:
 
         if memory_short:  # memory is short: admit nothing new this step
             return out
+        self._admit(out, budget, limit, now)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, limit: int, now: float) -> None:
+        """Take waiting sequences (sorted, most urgent first) into the batch while the budget,
+        the batch window `limit` and the free blocks allow."""
+        bm = self.block_manager
+
+        def key(s: Sequence) -> tuple[int, float, int]:
+            return s.urgency(now, DEADLINE_BOOST_S)
+
         while self.waiting and budget > 0 and len(self.running) < limit:
             seq = self.waiting[0]
             fresh = not seq.block_ids
@@ -288,19 +299,19 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
             budget -= num_new
-        return out
 
-    def _schedule_steady(self) -> SchedulerOutput | None:
-        """The batch of a steady decode step, without sorting or chunking — or None when the
-        step is not one. Steady: nothing waits, no deadline can reorder the running sequences
-        (already in urgency order), each has exactly one token to compute, the budget covers
-        them all and the free blocks cover those whose blocks are full. The general path
-        would then schedule every running sequence for one token, in the same order, giving
-        the same blocks (tests/unit/engine/test_scheduler.py checks the two agree)."""
+    def _schedule_steady(self, now: float) -> SchedulerOutput | None:
+        """The batch of a steady decode step, without sorting or chunking the running
+        sequences — or None when the step is not one. Steady: no deadline can reorder the
+        running sequences (already in urgency order), each has exactly one token to compute,
+        the budget covers them all, the free blocks cover those whose blocks are full, and
+        if anything waits the batch window has room (so no urgent arrival preempts). The
+        general path would then schedule every running sequence for one token, in the same
+        order, giving the same blocks, and admit the same waiting ones after them
+        (tests/unit/engine/test_scheduler.py checks the two agree)."""
         running = self.running
         if (
-            self.waiting
-            or not running
+            not running
             or self._num_deadlines
             or not self._running_sorted
             or len(running) > self.max_num_batched_tokens
@@ -315,17 +326,26 @@ class Scheduler:
                 return None
             if computed >= len(seq.block_ids) * block_size:
                 short.append(seq)
+        limit = min(self.max_batch_size, self.window.size(len(self.waiting)))
+        if self.waiting and len(running) >= limit:
+            return None  # a more urgent arrival may preempt: the general path decides
         if short:
             if len(short) > bm.free_block_count:
                 return None
             for seq in short:
                 bm.allocate(seq, seq.num_computed_tokens + 1)
-        return SchedulerOutput(
+        out = SchedulerOutput(
             seqs=list(running),
             num_new_tokens=[1] * len(running),
-            batch_window=min(self.max_batch_size, self.window.size(0)),
+            batch_window=limit,
             steady=True,
         )
+        if self.waiting:
+            decodes = len(running)  # `_admit` appends to `running`
+            self.waiting.sort(key=lambda s: s.urgency(now, DEADLINE_BOOST_S))
+            self._admit(out, self.max_num_batched_tokens - decodes, limit, now)
+            out.steady = len(out.seqs) == decodes
+        return out
 
     def _chunk(self, seq: Sequence, want: int, *, reserve: bool) -> int:
         """How many of `want` tokens fit in free blocks (adaptive chunking). Prefill chunks

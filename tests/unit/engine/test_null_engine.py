@@ -347,12 +347,12 @@ def test_the_steady_path_agrees_with_the_general_one_on_random_traces(seed: int)
         config = random_trace_config(rng)
         eos = rng.choice([None, 5, 30])
         fast, slow = NullCore(config, eos_after=eos), NullCore(config, eos_after=eos)
-        slow.scheduler._schedule_steady = lambda: None  # type: ignore[method-assign]
+        slow.scheduler._schedule_steady = lambda now: None  # type: ignore[method-assign]
         slow.plain_shortcut = False  # every token through the detokenizer and stop checks
         shortcut = fast.scheduler._schedule_steady
 
-        def counted(shortcut: Any = shortcut) -> Any:
-            out = shortcut()
+        def counted(now: float, shortcut: Any = shortcut) -> Any:
+            out = shortcut(now)
             steady_steps[0] += out is not None
             return out
 

@@ -253,7 +253,7 @@ def test_adaptive_window_limits_admission():
 def general_schedule(s: Scheduler, now: float) -> SchedulerOutput:
     """`schedule` with its steady-state shortcut turned off."""
     steady = s._schedule_steady
-    s._schedule_steady = lambda: None  # type: ignore[method-assign]
+    s._schedule_steady = lambda now: None  # type: ignore[method-assign]
     try:
         return s.schedule(now)
     finally:
@@ -280,8 +280,8 @@ def test_the_steady_decode_shortcut_schedules_what_the_general_path_does(num_blo
     taken = []
     shortcut = fast._schedule_steady
 
-    def counted() -> SchedulerOutput | None:
-        out = shortcut()
+    def counted(now: float) -> SchedulerOutput | None:
+        out = shortcut(now)
         taken.append(out is not None)
         return out
 
@@ -308,11 +308,11 @@ def test_the_steady_shortcut_is_skipped_while_anything_waits_or_has_a_deadline()
     s = make()
     s.add(seq("a", 2), 0.0)
     finish_step(s, s.schedule(0.0))
-    assert s._schedule_steady() is not None
+    assert s._schedule_steady(0.0) is not None
     s.add(seq("b", 2, deadline=5.0), 0.0)
-    assert s._schedule_steady() is None  # b waits
+    assert s._schedule_steady(0.0) is None  # b's deadline may reorder the batch
     finish_step(s, s.schedule(0.0))
-    assert s._schedule_steady() is None  # b's deadline may reorder the batch
+    assert s._schedule_steady(0.0) is None  # still, while b runs
     s.remove(s.running[-1] if s.running[-1].request_id == "b" else s.running[0])
 
 
@@ -345,8 +345,8 @@ def test_the_steady_shortcut_agrees_with_the_general_path_on_random_traces(seed:
         slow = make(num_blocks=nb, budget=budget, batch=batch)
         shortcut = fast._schedule_steady
 
-        def counted(shortcut: Any = shortcut) -> SchedulerOutput | None:
-            out = shortcut()
+        def counted(now: float, shortcut: Any = shortcut) -> SchedulerOutput | None:
+            out = shortcut(now)
             taken[out is None] += 1
             return out
 
