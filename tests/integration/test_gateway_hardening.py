@@ -97,7 +97,7 @@ def _raise_own_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, needed), hard))
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < needed:
-        pytest.skip(f"needs {needed} file descriptors, the hard limit is {hard}")
+        pytest.fail(f"needs {needed} file descriptors, the hard limit is {hard}")
 
 
 def _read_until_closed(socks: list[socket.socket], timeout: float) -> dict[socket.socket, bytes]:

@@ -70,7 +70,7 @@ def test_the_log_throttle_lets_one_line_a_second_through_with_the_suppressed_cou
 def test_the_soft_fd_limit_is_raised_to_the_hard_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard <= 256:
-        pytest.skip("hard limit too low to lower the soft one for the test")
+        pytest.fail("the hard fd limit is too low to lower the soft one for the test")
     lowered = 256
     resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
     try:
