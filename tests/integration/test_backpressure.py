@@ -109,8 +109,12 @@ def _connection_state(server: RunningServer, session: str) -> dict[str, Any]:
 
 @pytest.fixture
 def server() -> Any:
+    # a peer that reads nothing answers no ping: heartbeats far apart, so that on a slow,
+    # loaded machine the connection is not timed out before the backlog is inspected
+    slow = {"connection": 120.0, "session": 60.0, "stream": 60.0}
     tree = {"server": {"tcp_port": 0, "tcp_sndbuf": 4096},
-            "engine": {"max_model_len": 1 << 16}}
+            "engine": {"max_model_len": 1 << 16},
+            "protocol": {"heartbeat": slow, "heartbeat_max": slow}}
     with protocol_server(tree) as srv:
         yield srv
 
